@@ -1,0 +1,69 @@
+"""Per-request sampling parameters (the OpenAI request fields the sampler obeys)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter that can never be honoured; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n must be at least 1", "n"),
+            (self.n <= 128, "n must be at most 128", "n"),
+            (0.0 <= self.temperature <= 2.0 + 1e-9, "temperature must be in [0, 2]", "temperature"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1", "top_k"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs"),
+            (len(self.stop) <= 16, "at most 16 stop sequences are allowed", "stop"),
+        ]
+        for ok, message, param in checks:
+            if not ok:
+                raise SamplingParamsError(message, param)
+        for token_id, bias in self.logit_bias.items():
+            if not -100.0 <= float(bias) <= 100.0:
+                raise SamplingParamsError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")

@@ -1,0 +1,73 @@
+"""Tiny random models and a byte-level tokenizer, built offline, for CPU tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE):
+    """A byte-level BPE with no merges: exact round trip of any UTF-8 text; 256 + 3 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return fast
+
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied")
+
+
+def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers: int = 2,
+                    max_position_embeddings: int = 2048, chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Save a tiny random model of `family` (hidden 64, 4 q heads / 2 KV heads) plus tokenizer."""
+    import transformers as tf
+
+    common = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                  bos_token_id=257, eos_token_id=258, pad_token_id=256, rms_norm_eps=1e-6)
+    if family in ("llama", "llama_tied"):
+        config = tf.LlamaConfig(**common, tie_word_embeddings=family == "llama_tied", rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif family == "llama3":
+        config = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256})
+        cls = tf.LlamaForCausalLM
+    elif family == "mistral":
+        config = tf.MistralConfig(**common, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    elif family == "qwen2":
+        config = tf.Qwen2Config(**common, tie_word_embeddings=False)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():  # make the random weights large enough that outputs differ per token
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path))
+    make_byte_tokenizer(path, chat_template)
+    return path
