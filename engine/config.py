@@ -1,0 +1,196 @@
+"""`config.toml` into typed, validated settings.
+
+Every section of the file maps to a pydantic model that forbids unknown keys. `${VAR}` and
+`${VAR:-default}` are interpolated from the environment before validation; a missing variable
+is a startup error naming it. Every error names the key path and how to fix it.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and the fix in its message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    request_timeout: float = Field(600.0, gt=0, description="seconds before a request ends with an error")
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_queued_requests: int = Field(1024, ge=1, description="waiting requests beyond this get 503")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ModelConfig(_Section):
+    name: str | None = Field(None, description="local HF folder, .gguf file, or None for the embedded default")
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_context_len: int | None = Field(None, ge=16, description="default: the model's own")
+    max_new_tokens: int = Field(4096, ge=1, description="cap and default for max_tokens")
+    seed: int = 0
+
+
+class FlashDecodingConfig(_Section):
+    enable: bool = True
+    kernel: Literal["flash", "ffd", "auto"] = "flash"
+    async_softmax: bool = False
+    fixed_max_value: Union[bool, float] = False
+    fallback_on_overflow: bool = True
+    double_buffer: bool = True
+    adaptive_matmul: bool = True
+    num_splits: int = Field(0, ge=0, description="0 = wave-efficiency heuristic")
+    calibration_file: str | None = Field(None, description="per-layer φ written by `fdserve calibrate`")
+    delta: float = Field(5.0, gt=0)
+    delta_units: Literal["e", "2"] = "e"
+    sink_tokens: int = Field(4, ge=0)
+    local_window: int = Field(128, ge=0)
+    ffd_block_size: Literal[64, 128, 256] = 128
+
+
+class BackendConfig(_Section):
+    gpu_vendor: Literal["auto", "nvidia", "amd", "cpu"] = "auto"
+    kv_cache_ratio: float = Field(0.85, gt=0.0, le=1.0)
+    cpu_kv_cache_bytes: int = Field(2 * 1024**3, gt=0, description="KV budget when running on CPU")
+    num_kv_blocks: int | None = Field(None, ge=1, description="override the computed number of KV blocks")
+    block_size: int = Field(16, ge=1, le=1024)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    cuda_graphs: bool = True
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    cpu_threads: int | None = Field(None, ge=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two (16, 32, 64, ...), got {value}")
+        return value
+
+
+class ApiConfig(_Section):
+    api_key: Union[str, list[str], None] = None
+    base_url: str | None = None
+
+    @property
+    def api_keys(self) -> list[str]:
+        if self.api_key is None:
+            return []
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
+        return [k for k in keys if k]
+
+
+class FdserveConfig(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    flashdecoding: FlashDecodingConfig = Field(default_factory=FlashDecodingConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def interpolate_env(value: Any, path: str = "", env: dict[str, str] | None = None) -> Any:
+    """Replace `${VAR}` / `${VAR:-default}` in every string of a parsed TOML tree."""
+    env = os.environ if env is None else env
+    if isinstance(value, dict):
+        return {k: interpolate_env(v, f"{path}.{k}" if path else k, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate_env(v, f"{path}[{i}]", env) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        raise ConfigError(f"{path}: environment variable {name} is not set "
+                          f"(export {name}=... or write ${{{name}:-default}} in the config)")
+
+    return _VAR.sub(substitute, value)
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = tuple(item["loc"])
+        path = ".".join(str(p) for p in loc)
+        if item["type"] == "extra_forbidden":
+            known = _known_keys(FdserveConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+            lines.append(f"{path}: unknown key; {hint}")
+        else:
+            given = item.get("input")
+            lines.append(f"{path}: {item['msg']} (got {given!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> FdserveConfig:
+    """Read `path` (None: built-in defaults), apply dotted `overrides` (CLI flags), validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (pass --config with an existing file)")
+        try:
+            tree = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    tree = interpolate_env(tree, env=env)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, dotted, value)
+    try:
+        return FdserveConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def find_default_config() -> Path | None:
+    """`$FDSERVE_CONFIG`, else ./config.toml when present."""
+    env_path = os.environ.get("FDSERVE_CONFIG")
+    if env_path:
+        return Path(env_path)
+    local = Path("config.toml")
+    return local if local.is_file() else None

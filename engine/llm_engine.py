@@ -1,0 +1,255 @@
+"""The synchronous engine: requests in, one scheduled forward step at a time, deltas out."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.block_manager import BlockManager
+from engine.config import ConfigError, FdserveConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.device import select_device, select_dtype
+from engine.errors import ContextLengthExceeded
+from engine.loader import load_model, resolve_model_dir
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionDelta, EngineStats, RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    sent_tokens: int = 0  # output tokens already reported
+    sent_logprobs: int = 0
+    reported_finish: bool = False
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    choices: list[_Choice]
+    num_prompt_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+def _model_context_len(hf_config) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+
+
+class LLMEngine:
+    def __init__(self, config: FdserveConfig) -> None:
+        self.config = config
+        self.device, self.vendor = select_device(config.backend.gpu_vendor)
+        if config.backend.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.backend.cpu_threads)
+        self.model_dir: Path = resolve_model_dir(config.model.name)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.dtype = select_dtype(config.model.dtype, self.device, getattr(hf_config, "torch_dtype", None))
+        self.max_context_len = self._resolve_context_len(hf_config)
+        self.max_new_tokens = config.model.max_new_tokens
+        self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
+        self.backend = self._make_backend()
+        self.model = load_model(self.model_dir, self.dtype, self.device)
+        block_size = config.backend.block_size
+        self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
+                                   config.backend.max_num_batched_tokens)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
+        self.requests: dict[str, _Request] = {}
+        self.attention_counters: dict[str, float] = {}
+        self.num_generated_tokens = 0
+        self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
+        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens; attention: %s",
+                    self.served_model_name, self.model_dir, self.device, self.dtype, self.max_context_len,
+                    num_blocks, block_size, self.backend.name)
+
+    # ----- construction helpers -------------------------------------------------------------
+    def _resolve_context_len(self, hf_config) -> int:
+        own = _model_context_len(hf_config)
+        wanted = self.config.model.max_context_len
+        if wanted is None:
+            return own
+        scaling = getattr(hf_config, "rope_scaling", None)
+        if wanted > own and not scaling:
+            raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports without "
+                              f"RoPE scaling ({own}); set max_context_len <= {own} or remove it")
+        return wanted
+
+    def _make_backend(self) -> AttentionBackend:
+        from engine.attention_backends import make_attention_backend
+        return make_attention_backend(self.config.flashdecoding, self.device, self.vendor)
+
+    def _num_kv_blocks(self) -> int:
+        backend = self.config.backend
+        if backend.num_kv_blocks:
+            return backend.num_kv_blocks
+        if self.device.type == "cuda":
+            peak = self.runner.profile_peak_bytes(backend.max_num_batched_tokens)
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = int(total * backend.kv_cache_ratio) - used_by_others - peak
+        else:
+            budget = int(backend.cpu_kv_cache_bytes * backend.kv_cache_ratio)
+        num_blocks = self.runner.num_blocks_for_budget(budget)
+        if num_blocks < 2:
+            raise ConfigError("backend.kv_cache_ratio / cpu_kv_cache_bytes leave no room for the KV cache "
+                              f"({budget} bytes); raise them or set backend.num_kv_blocks")
+        return num_blocks
+
+    # ----- requests --------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise SamplingParamsError("the prompt is empty", "prompt")
+        limit = min(self.max_context_len, self.capacity_tokens)
+        if num_prompt >= limit:
+            raise ContextLengthExceeded(limit, num_prompt)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise SamplingParamsError(f"token id {bad[0]} is outside the vocabulary", "prompt")
+        if params.max_tokens is None or params.max_tokens > self.max_new_tokens:
+            params.max_tokens = self.max_new_tokens if params.max_tokens is None else params.max_tokens
+        choices = []
+        for index in range(params.n):
+            seq = Sequence(request_id, prompt_token_ids, params, choice_index=index, arrival_time=time.monotonic())
+            seq.max_total_tokens = limit
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           include_stop_str_in_output=params.include_stop_str_in_output)
+            choices.append(_Choice(seq, detok))
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, choices, num_prompt)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for choice in request.choices:
+            if not choice.seq.is_finished:
+                self._finish(choice.seq, FinishReason.ABORT)
+        return self._collect(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish(reason)
+        self.scheduler.finish(seq)
+        self.sampler.release(seq.seq_id)
+
+    # ----- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits, sampled, counters = self.runner.execute(out.scheduled)
+        self.num_forwarded_tokens += out.num_batched_tokens
+        for seq in out.scheduled:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            self.block_manager.register_full_blocks(seq)
+        for key, value in counters.items():
+            self.attention_counters[key] = self.attention_counters.get(key, 0.0) + value
+        touched: dict[str, _Request] = {}
+        if sampled:
+            results = self.sampler(logits, sampled)
+            for seq, result in zip(sampled, results):
+                self._on_token(seq, result)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._collect(r) for r in touched.values()]
+
+    def _on_token(self, seq: Sequence, result) -> None:
+        params = seq.params
+        seq.append_token(result.token_id)
+        self.num_generated_tokens += 1
+        if result.logprob is not None:
+            seq.logprobs.append(result.logprob)
+        token = result.token_id
+        choice = self._choice_of(seq)
+        # The sampler masks EOS and stop tokens until min_tokens are out.
+        if token in params.stop_token_ids:
+            choice.stop_reason = token
+            self._finish(seq, FinishReason.STOP)
+        elif token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_output_tokens >= (params.max_tokens or self.max_new_tokens):
+            self._finish(seq, FinishReason.LENGTH)
+        elif seq.max_total_tokens is not None and len(seq) >= seq.max_total_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _choice_of(self, seq: Sequence) -> _Choice:
+        return self.requests[seq.request_id].choices[seq.choice_index]
+
+    def _collect(self, request: _Request) -> RequestOutput:
+        """Deltas since the last report; drops the request once every choice has been reported finished."""
+        deltas = []
+        for choice in request.choices:
+            seq = choice.seq
+            if choice.reported_finish:
+                continue
+            new_ids = seq.output_token_ids[choice.sent_tokens:]
+            choice.sent_tokens = seq.num_output_tokens
+            text_ids = [t for t in new_ids if t not in seq.params.stop_token_ids]
+            step = choice.detokenizer.add_tokens(text_ids)
+            text = step.text
+            stop_reason = choice.stop_reason
+            if step.stop_str is not None and not seq.is_finished:
+                self._finish(seq, FinishReason.STOP)
+            if step.stop_str is not None:
+                stop_reason = step.stop_str
+            elif seq.is_finished and seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                text += choice.detokenizer.flush()
+            logprobs = seq.logprobs[choice.sent_logprobs:]
+            choice.sent_logprobs = len(seq.logprobs)
+            finish = seq.finish_reason.value if seq.is_finished else None
+            if not (text or new_ids or finish):
+                continue
+            deltas.append(CompletionDelta(choice.seq.choice_index, text, new_ids, list(logprobs), finish, stop_reason))
+            if finish:
+                choice.reported_finish = True
+        finished = all(c.reported_finish for c in request.choices)
+        if finished:
+            self.requests.pop(request.request_id, None)
+        first = request.choices[0].seq
+        return RequestOutput(
+            request_id=request.request_id, deltas=deltas, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            num_output_tokens=sum(c.seq.num_output_tokens for c in request.choices), finished=finished)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
+            attention_counters=dict(self.attention_counters))
+
+
+def _default_served_name(config: FdserveConfig, model_dir: Path) -> str:
+    from engine.loader import EMBEDDED_DEFAULT_ID
+    if not config.model.name or config.model.name in (EMBEDDED_DEFAULT_ID, EMBEDDED_DEFAULT_ID.split("/")[-1]):
+        return EMBEDDED_DEFAULT_ID.split("/")[-1]
+    return Path(config.model.name).name.removesuffix(".gguf")

@@ -1,0 +1,138 @@
+"""Turns a scheduled batch into one forward pass: metadata, KV cache, model call, logits.
+
+The KV cache is one tensor per layer pair `[2, num_layers, num_blocks, block_size, Hkv, D]`,
+sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
+configured byte budget). Metadata is built once per step and shared by every layer.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import Attention, AttentionBackend, AttentionMetadata, forward_context
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sampled_seqs: list[Sequence]  # the sequences those rows belong to
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
+                 backend: AttentionBackend) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = backend
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
+        self.spec = KVCacheSpec(len(self.attention_layers), first.num_kv_heads, first.head_dim, block_size, dtype)
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.spec.bytes_per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.spec
+        self.kv_cache = torch.zeros(2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim,
+                                    dtype=s.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, num_tokens: int) -> int:
+        """Run one dummy prefill of `num_tokens` on a one-block cache; peak activation bytes (GPU)."""
+        self.allocate_kv_cache(max(1, -(-num_tokens // self.block_size)))
+        seq = Sequence("profile", [0] * num_tokens, _dummy_params())
+        seq.block_table = list(range(self.num_blocks))
+        seq.num_scheduled_tokens = num_tokens
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute([seq])
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        return peak
+
+    def prepare(self, seqs: list[Sequence]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        bs = self.block_size
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            end = start + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            if end == len(seq):  # the prompt is complete: this step yields a new token
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(seq)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        metadata = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(query_lens),
+            is_decode_only=all(n == 1 for n in query_lens),
+        )
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), metadata,
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
+        """Forward the scheduled tokens; float32 logits for the sequences that sample this step."""
+        step = self.prepare(seqs)
+        with forward_context(step.metadata, self.backend):
+            hidden = self.model(step.input_ids, step.metadata.positions)
+        if not step.sampled_seqs:
+            return torch.empty(0), [], step.metadata.counters
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        return logits.float(), step.sampled_seqs, step.metadata.counters
+
+
+def _dummy_params():
+    from engine.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=1)

@@ -1,0 +1,236 @@
+"""Turns one step's logits into one token per sequence.
+
+Order: repetition / presence / frequency penalties on the raw logits, logit_bias, the
+min_tokens mask (last, so no bias can lift it), then temperature, top-k, top-p, min-p and a
+draw. Every stage runs only on the rows that use it, vectorised over those rows; a batch of
+plain greedy requests is a single argmax. Logprobs are read from the raw logits, as OpenAI
+reports them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, TokenLogprob
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads choice indices over the 64-bit seed space
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class _PenaltyState:
+    """A sequence's token statistics, kept sparse (distinct ids, not a vocab-sized row) and
+    updated with only the tokens added since the previous step."""
+
+    def __init__(self, seq: Sequence, width: int) -> None:
+        self.width = width
+        self.seen = dict.fromkeys(t for t in seq.token_ids[:seq.num_prompt_tokens] if t < width)
+        self.counts: dict[int, int] = {}  # output tokens only
+        self.num_counted = 0
+        self._seen_ids: Tensor | None = None  # cached: rebuilt only when a new id shows up
+
+    def update(self, seq: Sequence) -> None:
+        new = seq.token_ids[seq.num_prompt_tokens + self.num_counted:]
+        self.num_counted += len(new)
+        for t in new:
+            if t < self.width:
+                self.counts[t] = self.counts.get(t, 0) + 1
+                if t not in self.seen:
+                    self.seen[t] = None
+                    self._seen_ids = None
+
+    def seen_ids(self) -> Tensor:
+        if self._seen_ids is None:
+            self._seen_ids = torch.tensor(list(self.seen), dtype=torch.long)
+        return self._seen_ids
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int], vocab_size: int) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._generators: dict[int, torch.Generator] = {}
+        self._penalties: dict[int, _PenaltyState] = {}
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or aborted sequence's generator and penalty statistics."""
+        self._generators.pop(seq_id, None)
+        self._penalties.pop(seq_id, None)
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """Row i of `logits` [N, V] (float32) belongs to seqs[i]; returns one result per row."""
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
+        raw = logits[:, :self.vocab_size]  # the LM head may be padded past the tokenizer's vocab
+        params = [s.params for s in seqs]
+        x = self.process_logits(raw, seqs)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            token_ids = x.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(seqs), dtype=torch.long)
+            greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+            if greedy_rows:
+                token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
+            token_ids[sampled_rows] = self._sample(x[sampled_rows], [seqs[i] for i in sampled_rows])
+        chosen = token_ids.tolist()
+        logprobs = self._logprobs(raw, chosen, params)
+        return [SampleResult(t, logprobs.get(i)) for i, t in enumerate(chosen)]
+
+    def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """Penalties, logit_bias and the min_tokens mask; `logits` itself is never modified
+        (it is returned as is when no sequence uses any of them)."""
+        params = [s.params for s in seqs]
+        x = logits
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            x = self._apply_penalties(x.clone(memory_format=torch.contiguous_format), seqs)
+        if any(p.logit_bias for p in params):
+            x = self._apply_logit_bias(x if x is not logits else x.clone(), seqs)
+        banned = self._min_tokens_bans(seqs, x.shape[1])
+        if banned:
+            x = x if x is not logits else x.clone()
+            rows, cols = zip(*banned)
+            x[list(rows), list(cols)] = float("-inf")
+        return x
+
+    # -- logit processors (each modifies `x` in place and returns it) --
+
+    def _apply_penalties(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
+        width = x.shape[1]
+        rep_idx, rep_pen, sub_idx, sub_amount = [], [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+                continue
+            state = self._penalties.get(seq.seq_id)
+            if state is None:
+                state = self._penalties[seq.seq_id] = _PenaltyState(seq, width)
+            state.update(seq)
+            if p.repetition_penalty != 1.0:  # HF: every id in prompt + output
+                ids = state.seen_ids()
+                rep_idx.append(ids + i * width)
+                rep_pen.append(torch.full((ids.numel(),), p.repetition_penalty))
+            if (p.presence_penalty or p.frequency_penalty) and state.counts:  # OpenAI: output only
+                sub_idx.append(torch.tensor(list(state.counts), dtype=torch.long) + i * width)
+                counts = torch.tensor(list(state.counts.values()), dtype=torch.float32)
+                sub_amount.append(counts * p.frequency_penalty + p.presence_penalty)
+        flat = x.view(-1)  # ids are distinct within a row, so plain indexed writes are exact
+        if rep_idx:
+            idx, pen = torch.cat(rep_idx), torch.cat(rep_pen)
+            values = flat[idx]
+            flat[idx] = torch.where(values > 0, values / pen, values * pen)
+        if sub_idx:
+            idx = torch.cat(sub_idx)
+            flat[idx] = flat[idx] - torch.cat(sub_amount)
+        return x
+
+    def _apply_logit_bias(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
+        rows, cols, values = [], [], []
+        for i, seq in enumerate(seqs):
+            for token_id, bias in seq.params.logit_bias.items():
+                token_id = int(token_id)
+                if 0 <= token_id < x.shape[1]:  # the protocol layer rejects others; never index out
+                    rows.append(i)
+                    cols.append(token_id)
+                    values.append(float(bias))
+        if rows:
+            x[rows, cols] += torch.tensor(values)
+        return x
+
+    def _min_tokens_bans(self, seqs: list[Sequence], width: int) -> list[tuple[int, int]]:
+        banned = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | self.eos_token_ids
+                banned.extend((i, t) for t in stops if 0 <= t < width)
+        return banned
+
+    # -- sampling --
+
+    def _sample(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
+        params = [s.params for s in seqs]
+        x = x.div_(torch.tensor([[p.temperature] for p in params]))  # x is the caller's private copy
+        top_k_rows = [i for i, p in enumerate(params) if p.top_k > 0]
+        if top_k_rows:
+            x[top_k_rows] = _top_k(x[top_k_rows], [params[i].top_k for i in top_k_rows])
+        top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if top_p_rows:
+            x[top_p_rows] = _top_p(x[top_p_rows], torch.tensor([[params[i].top_p] for i in top_p_rows]))
+        probs = torch.softmax(x, dim=-1)
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        if min_p_rows:
+            sub = probs[min_p_rows]
+            floor = torch.tensor([[params[i].min_p] for i in min_p_rows]) * sub.amax(dim=-1, keepdim=True)
+            probs[min_p_rows] = sub.masked_fill(sub < floor, 0.0)  # the draw scales by the row total
+
+        # Inverse-CDF draw: one uniform per row. On CPU this is several times cheaper than
+        # torch.multinomial at vocabulary widths, and a seeded row consumes exactly one number
+        # of its own generator per step whatever else is in the batch.
+        uniform = torch.rand(len(seqs), 1)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                uniform[i] = torch.rand(1, generator=self._generator(seq))
+        cdf = probs.cumsum(dim=-1)
+        out = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        return out.clamp_(max=probs.shape[1] - 1)  # u * total may round up to total itself
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:  # kept across preemption: a recomputed sequence continues its stream
+            gen = torch.Generator()
+            gen.manual_seed((seq.params.seed + seq.choice_index * _GOLDEN) % 2**64)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    # -- logprobs --
+
+    def _logprobs(self, raw: Tensor, chosen_ids: list[int], params: list[SamplingParams]) -> dict[int, TokenLogprob]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return {}
+        logp = torch.log_softmax(raw[rows].float(), dim=-1)
+        ids = torch.tensor([chosen_ids[i] for i in rows]).unsqueeze(1)
+        chosen = logp.gather(1, ids).squeeze(1).tolist()
+        k = min(max(params[i].logprobs for i in rows), logp.shape[1])
+        top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        result = {}
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            result[i] = TokenLogprob(chosen_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+        return result
+
+
+def _top_k(x: Tensor, ks: list[int]) -> Tensor:
+    """Keep each row's k largest logits (ties with the k-th are kept too)."""
+    k_max = min(max(ks), x.shape[1])
+    top = x.topk(k_max, dim=-1).values
+    kth = top.gather(1, (torch.tensor(ks).clamp(max=k_max) - 1).unsqueeze(1))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(x: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
+
+    A full sort of a 150k vocabulary per row is the expensive part of sampling on CPU, and the
+    nucleus is usually tiny, so candidates grow geometrically until every row's nucleus fits.
+    """
+    probs = torch.softmax(x, dim=-1)
+    k = min(64, x.shape[1])
+    while True:
+        values, indices = probs.topk(k, dim=-1)
+        mass = values.cumsum(dim=-1)
+        if k == x.shape[1] or bool((mass[:, -1] >= top_p.squeeze(1)).all()):
+            break
+        k = min(k * 8, x.shape[1])
+    keep = (mass - values) < top_p  # the mass before a token has not reached top_p yet
+    kept = torch.full_like(x, float("-inf"))
+    kept.scatter_(1, indices, torch.where(keep, x.gather(1, indices), float("-inf")))
+    return kept

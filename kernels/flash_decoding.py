@@ -1,0 +1,277 @@
+"""Paged decode attention: standard (one pass) and Flash-Decoding (split-KV + exact merge).
+
+Cache layout `[num_blocks, block_size, Hkv, D]` (NHD, see `kernels.reference`). One program per
+(sequence, KV head, split) owns all `G = Hq / Hkv` query heads of its KV head as the rows of one
+tile (padded to 16, the `tl.dot` minimum), so each K/V byte is read once per step.
+
+Splits are graph-safe: the host picks only `max_splits` (from the batch size and the SM count,
+FA2's wave-efficiency rule); each program derives its sequence's chunk from `seq_lens` on the
+device (`split_plan`) and programs past the last split exit. "standard" is the same kernel with
+one split: every sequence is one pass, normalised in the epilogue, and no merge runs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.vendor import DecodeConfig, configs_for, interpreting, num_compute_units
+
+LOG2E = 1.4426950408889634
+
+
+# ----- device helpers shared with kernels/fdpp.py ---------------------------------------------
+
+@triton.jit
+def split_plan(L, max_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """(chunk, num_splits) of one sequence; mirrors `kernels.reference.split_plan`."""
+    chunk = tl.cdiv(tl.cdiv(L, max_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, min_chunk)           # host rounds min_chunk to a multiple of BLOCK_N
+    return chunk, tl.maximum(tl.cdiv(L, chunk), 1)
+
+
+@triton.jit
+def kv_token_offsets(bt_row, start, offs, valid, stride_kb, stride_kt,
+                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 element offsets of tokens `offs` (the tile starting at `start`) in the paged cache."""
+    if PAGE >= BLOCK_N:
+        # Powers of two and BLOCK_N-aligned tiles: the tile sits in one page, one table read.
+        page = tl.load(bt_row + start // PAGE).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
+    return page * stride_kb + (offs % PAGE).to(tl.int64) * stride_kt
+
+
+@triton.jit
+def load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                D: tl.constexpr, UPCAST: tl.constexpr):
+    """The G query heads of KV head `hk` as rows [BLOCK_H, D] (padding rows are zero)."""
+    rows = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    heads = hk * GROUP + rows
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0)
+    if UPCAST:   # the interpreter mis-computes bf16 arithmetic
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [BLOCK_N, D] of tokens [start, start + BLOCK_N) and the mask of those < hi.
+
+    Masked tokens read as 0: unwritten cache memory may hold NaN bit patterns, and 0·NaN = NaN.
+    """
+    offs = start + tl.arange(0, BLOCK_N)
+    valid = offs < hi
+    tok = kv_token_offsets(bt_row, start, offs, valid, stride_kb, stride_kt, PAGE, BLOCK_N) + hk * stride_kh
+    ptr = tok[:, None] + tl.arange(0, D)[None, :]
+    k = tl.load(K + ptr, mask=valid[:, None], other=0.0)
+    v = tl.load(V + ptr, mask=valid[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v, valid
+
+
+@triton.jit
+def attend_exact(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+                 BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over tokens [lo, hi): (row max m, row sum l, unnormalised acc), log2 units."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                                   PAGE, BLOCK_N, D, UPCAST)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def store_rows(OUT, out, b, hk, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+               D: tl.constexpr):
+    rows = tl.arange(0, BLOCK_H)
+    heads = hk * GROUP + rows
+    ptr = OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + tl.arange(0, D)[None, :]
+    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < GROUP)[:, None])
+
+
+# ----- kernels ---------------------------------------------------------------------------------
+
+@triton.jit
+def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
+                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                  stride_ob, stride_oh, scale_log2, max_splits, min_chunk,
+                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(SEQ + b)
+    chunk, num_splits = split_plan(L, max_splits, min_chunk, BLOCK_N)
+    if split < num_splits:
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, L)
+        q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        m, l, acc = attend_exact(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh,
+                                 scale_log2, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, UPCAST)
+        if num_splits == 1:
+            # One split (short sequence, large batch, or "standard"): normalise here, no merge.
+            store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
+                       GROUP, BLOCK_H, D)
+        else:
+            rows = tl.arange(0, BLOCK_H)
+            row_ok = rows < GROUP
+            part = (b.to(tl.int64) * NUM_HEADS + hk * GROUP + rows) * max_splits + split
+            tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=row_ok[:, None])
+            tl.store(P_ML + part * 2, m, mask=row_ok)
+            tl.store(P_ML + part * 2 + 1, l, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(SEQ, OUT, P_ACC, P_ML, stride_ob, stride_oh, max_splits, min_chunk,
+                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exact log-sum-exp merge of a sequence's split partials, in split order (deterministic)."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    L = tl.load(SEQ + b)
+    _, num_splits = split_plan(L, max_splits, min_chunk, BLOCK_N)
+    if num_splits > 1:
+        rows = tl.arange(0, BLOCK_H)
+        row_ok = rows < GROUP
+        base = (b.to(tl.int64) * NUM_HEADS + hk * GROUP + rows) * max_splits
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        for split in range(0, num_splits):
+            part = base + split
+            m_s = tl.load(P_ML + part * 2, mask=row_ok, other=0.0)
+            l_s = tl.load(P_ML + part * 2 + 1, mask=row_ok, other=0.0)
+            acc_s = tl.load(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :],
+                            mask=row_ok[:, None], other=0.0)
+            m_new = tl.maximum(m, m_s)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(m_s - m_new)
+            l = l * alpha + l_s * w
+            acc = acc * alpha[:, None] + acc_s * w[:, None]
+            m = m_new
+        store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
+                   GROUP, BLOCK_H, D)
+
+
+# ----- host side -------------------------------------------------------------------------------
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_cus: int, cfg: DecodeConfig) -> int:
+    """FA2's wave-efficiency rule: the fewest splits within 85 % of the best wave efficiency.
+
+    Depends only on the batch size and the GPU, so a CUDA graph captured per batch size keeps
+    it; each sequence then uses only as many splits as its length needs (`split_plan`).
+    """
+    target = num_cus * cfg.ctas_per_sm
+    work = batch * num_kv_heads
+    if work >= 0.8 * target:
+        return 1
+    effs = [(work * s / target) / math.ceil(work * s / target) for s in range(1, cfg.max_splits + 1)]
+    best = max(effs)
+    return next(s for s, eff in enumerate(effs, 1) if eff >= 0.85 * best)
+
+
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, num_heads, num_kv_heads, head_dim) after checking what the kernels assume."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.shape[3] != head_dim or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 matching the cache; got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if k_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("the head dimension of q and of the caches must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.stride(1) != 1 or seq_lens.shape[0] != batch:
+        raise ValueError("block_tables rows must be contiguous and seq_lens must be [B]")
+    return batch, num_heads, num_kv_heads, head_dim
+
+
+def rows_per_tile(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))
+
+
+def resolve_splits(num_splits: int | None, batch: int, num_kv_heads: int, device: torch.device,
+                   cfg: DecodeConfig) -> int:
+    if num_splits:
+        return int(num_splits)
+    return choose_num_splits(batch, num_kv_heads, num_compute_units(device), cfg)
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                 num_splits: int | None = None, config: DecodeConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flash-Decoding; `num_splits` = 1 is the standard single pass (no merge launch)."""
+    batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    cfg = config or configs_for(q.device).decode
+    max_splits = resolve_splits(num_splits, batch, num_kv_heads, q.device, cfg)
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
+    if max_splits > 1:
+        p_acc = torch.empty(batch * num_heads * max_splits * head_dim, dtype=torch.float32, device=q.device)
+        p_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        p_acc = p_ml = out   # never touched: every sequence takes the one-split epilogue
+    common = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim)
+    _split_kernel[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, max_splits, min_chunk,
+        PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common, **cfg.extra)
+    if max_splits > 1:
+        _merge_kernel[(batch, num_kv_heads)](
+            seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1), max_splits, min_chunk,
+            BLOCK_N=cfg.block_n, num_warps=cfg.merge_warps, **common, **cfg.extra)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                     variant: str, num_splits: int | None = None, **options) -> torch.Tensor:
+    """The one decode entry point: q[B,Hq,D] over paged KV -> out[B,Hq,D] (Triton).
+
+    variant "standard": one pass over each sequence's whole KV (no split, no merge);
+    "flash": split-KV with the exact log-sum-exp merge (`num_splits` None/0 = heuristic);
+    "fdpp": asynchronous softmax with a unified max φ (options of `kernels.fdpp.fdpp_decode`).
+    `kernels.reference.decode_reference` is the same signature in torch.
+    """
+    if variant == "standard":
+        return flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, num_splits=1, **options)
+    if variant == "flash":
+        return flash_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                            num_splits=num_splits, **options)
+    if variant == "fdpp":
+        from kernels.fdpp import fdpp_decode
+        return fdpp_decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                           num_splits=num_splits, **options)
+    raise ValueError(f"unknown decode variant {variant!r}; expected 'standard', 'flash' or 'fdpp'")

@@ -1,0 +1,108 @@
+"""GPU vendor detection and the per-vendor launch configurations of our Triton kernels.
+
+A requested vendor that the hardware contradicts is an error, never a silent fallback. The
+configs differ because the hardware does: NVIDIA runs 32-wide warps with large shared memory
+(deep software pipelines), AMD CDNA runs 64-wide wavefronts with 64 KB of LDS per CU, so its
+tiles are smaller, it pipelines less, and it takes `waves_per_eu` / `matrix_instr_nonkdim`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+VENDORS = ("nvidia", "amd", "cpu")
+
+
+def detect_vendor() -> str:
+    """"nvidia" (CUDA build with a GPU), "amd" (ROCm/HIP build with a GPU) or "cpu"."""
+    if torch.cuda.is_available():
+        return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+    return "cpu"
+
+
+def check_vendor(requested: str) -> str:
+    """Resolve `[backend] gpu_vendor`: "auto" detects; a value the hardware contradicts raises.
+
+    "cpu" is always allowed (running on the CPU of a GPU machine is a choice, not a contradiction).
+    """
+    if requested not in ("auto", *VENDORS):
+        raise ValueError(f"gpu_vendor must be one of auto, nvidia, amd, cpu; got {requested!r}")
+    found = detect_vendor()
+    if requested == "auto" or requested == "cpu" or requested == found:
+        return found if requested == "auto" else requested
+    hardware = "no GPU" if found == "cpu" else f"an {found.upper()} GPU"
+    raise ValueError(f"gpu_vendor = {requested!r} contradicts the hardware: this machine has {hardware}"
+                     f" (torch {torch.__version__}); set gpu_vendor = \"auto\" or \"{found}\"")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the paged decode kernels (standard, flash and fdpp share it)."""
+
+    block_n: int = 64          # KV tokens per tile
+    num_warps: int = 4
+    num_stages: int = 3        # software-pipeline depth of the KV loads
+    ctas_per_sm: int = 2       # occupancy the split heuristic aims to fill
+    min_chunk: int = 256       # fewest KV tokens a split is given (bounds partial traffic)
+    max_splits: int = 64       # cap on splits per sequence
+    merge_warps: int = 4
+    extra: dict[str, int] = field(default_factory=dict)   # vendor-only launch options
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 64          # query tokens per program
+    block_n: int = 64          # KV tokens per tile
+    num_warps: int = 4
+    num_stages: int = 2
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VendorConfigs:
+    vendor: str
+    decode: DecodeConfig
+    prefill: PrefillConfig
+    store_warps: int = 4
+
+
+def _amd_extra(waves_per_eu: int) -> dict[str, int]:
+    return {"waves_per_eu": waves_per_eu, "matrix_instr_nonkdim": 16}
+
+
+_CONFIGS = {
+    "nvidia": VendorConfigs("nvidia", DecodeConfig(), PrefillConfig()),
+    # CDNA: 64 KB LDS per CU, so one pipeline stage and narrower KV tiles; MFMA 16x16 instructions.
+    "amd": VendorConfigs(
+        "amd",
+        DecodeConfig(block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, extra=_amd_extra(1)),
+        PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, extra=_amd_extra(2)),
+    ),
+    # The interpreter runs on the CPU: tiles as on NVIDIA, no pipelining to model.
+    "cpu": VendorConfigs("cpu", DecodeConfig(num_stages=1), PrefillConfig(block_m=16, block_n=32, num_stages=1)),
+}
+
+
+def vendor_configs(vendor: str) -> VendorConfigs:
+    if vendor not in _CONFIGS:
+        raise ValueError(f"no kernel configs for vendor {vendor!r}; known: {', '.join(_CONFIGS)}")
+    return _CONFIGS[vendor]
+
+
+def configs_for(device: torch.device) -> VendorConfigs:
+    """The configs for the vendor that owns `device` (CPU tensors: the interpreter's)."""
+    return vendor_configs(detect_vendor() if device.type == "cuda" else "cpu")
+
+
+def num_compute_units(device: torch.device) -> int:
+    """SMs (NVIDIA) or CUs (AMD); on CPU a nominal 8 so the split heuristic still splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
