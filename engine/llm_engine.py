@@ -86,10 +86,9 @@ class LLMEngine:
         wanted = self.config.model.max_context_len
         if wanted is None:
             return own
-        scaling = getattr(hf_config, "rope_scaling", None)
-        if wanted > own and not scaling:
-            raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports without "
-                              f"RoPE scaling ({own}); set max_context_len <= {own} or remove it")
+        if wanted > own:  # RoPE (incl. llama3/yarn-style scaling) is only defined up to max_position_embeddings
+            raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports "
+                              f"({own}, its max_position_embeddings); set max_context_len <= {own} or remove it")
         return wanted
 
     def _make_backend(self) -> AttentionBackend:

@@ -78,7 +78,7 @@ class Sampler:
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             if greedy_rows:
                 token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
-            token_ids[sampled_rows] = self._sample(x[sampled_rows], [seqs[i] for i in sampled_rows])
+            token_ids[sampled_rows] = self._sample(_take(x, sampled_rows), [seqs[i] for i in sampled_rows])
         chosen = token_ids.tolist()
         logprobs = self._logprobs(raw, chosen, params)
         return [SampleResult(t, logprobs.get(i)) for i, t in enumerate(chosen)]
@@ -155,31 +155,32 @@ class Sampler:
     # -- sampling --
 
     def _sample(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
+        """Draw one token per row of `x` (processed logits, left unmodified)."""
         params = [s.params for s in seqs]
-        x = x.div_(torch.tensor([[p.temperature] for p in params]))  # x is the caller's private copy
-        top_k_rows = [i for i, p in enumerate(params) if p.top_k > 0]
-        if top_k_rows:
-            x[top_k_rows] = _top_k(x[top_k_rows], [params[i].top_k for i in top_k_rows])
-        top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        if top_p_rows:
-            x[top_p_rows] = _top_p(x[top_p_rows], torch.tensor([[params[i].top_p] for i in top_p_rows]))
-        probs = torch.softmax(x, dim=-1)
-        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        if min_p_rows:
-            sub = probs[min_p_rows]
-            floor = torch.tensor([[params[i].min_p] for i in min_p_rows]) * sub.amax(dim=-1, keepdim=True)
-            probs[min_p_rows] = sub.masked_fill(sub < floor, 0.0)  # the draw scales by the row total
-
-        # Inverse-CDF draw: one uniform per row. On CPU this is several times cheaper than
-        # torch.multinomial at vocabulary widths, and a seeded row consumes exactly one number
-        # of its own generator per step whatever else is in the batch.
+        # Unnormalised probabilities, largest exactly 1: every filter below and the draw work
+        # relative to the row's total, so the softmax's normalising pass is never needed.
+        probs = x.div(torch.tensor([[p.temperature] for p in params]))
+        probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+        rows = [i for i, p in enumerate(params) if p.top_k > 0]
+        if rows:
+            _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows]))
+        rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        if rows:
+            _in_rows(probs, rows, _top_p_, torch.tensor([[params[i].top_p] for i in rows]))
+        rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        if rows:  # the most likely token's weight is 1, so min_p is the floor itself
+            _in_rows(probs, rows, lambda t, floor: t.masked_fill_(t < floor, 0.0),
+                     torch.tensor([[params[i].min_p] for i in rows]))
+        # Inverse-CDF draw with one uniform per row: several times cheaper on CPU than
+        # torch.multinomial at vocabulary widths, and a seeded row takes exactly one number
+        # from its own generator per step whatever else is in the batch.
         uniform = torch.rand(len(seqs), 1)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 uniform[i] = torch.rand(1, generator=self._generator(seq))
-        cdf = probs.cumsum(dim=-1)
+        cdf = probs.cumsum_(dim=-1)
         out = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        return out.clamp_(max=probs.shape[1] - 1)  # u * total may round up to total itself
+        return out.clamp_(max=cdf.shape[1] - 1)  # u * total may round up to total itself
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
@@ -195,7 +196,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return {}
-        logp = torch.log_softmax(raw[rows].float(), dim=-1)
+        logp = torch.log_softmax(_take(raw, rows).float(), dim=-1)
         ids = torch.tensor([chosen_ids[i] for i in rows]).unsqueeze(1)
         chosen = logp.gather(1, ids).squeeze(1).tolist()
         k = min(max(params[i].logprobs for i in rows), logp.shape[1])
@@ -208,29 +209,48 @@ class Sampler:
         return result
 
 
-def _top_k(x: Tensor, ks: list[int]) -> Tensor:
-    """Keep each row's k largest logits (ties with the k-th are kept too)."""
-    k_max = min(max(ks), x.shape[1])
-    top = x.topk(k_max, dim=-1).values
-    kth = top.gather(1, (torch.tensor(ks).clamp(max=k_max) - 1).unsqueeze(1))
-    return x.masked_fill(x < kth, float("-inf"))
+def _take(t: Tensor, rows: list[int]) -> Tensor:
+    """t[rows], without the copy when every row is taken (then it is `t` itself)."""
+    return t if len(rows) == t.shape[0] else t[rows]
 
 
-def _top_p(x: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
+def _in_rows(t: Tensor, rows: list[int], fn, arg: Tensor) -> None:
+    """Apply the in-place `fn(rows_of_t, arg)` to t[rows]; no copies when every row takes part."""
+    if len(rows) == t.shape[0]:
+        fn(t, arg)
+    else:
+        sub = t[rows]
+        fn(sub, arg)
+        t[rows] = sub
 
-    A full sort of a 150k vocabulary per row is the expensive part of sampling on CPU, and the
-    nucleus is usually tiny, so candidates grow geometrically until every row's nucleus fits.
+
+def _top_k_(probs: Tensor, top_k: Tensor) -> Tensor:
+    """Zero all but each row's k largest weights (ties with the k-th survive); top_k is [R, 1]."""
+    k_max = min(int(top_k.max()), probs.shape[1])
+    kth = probs.topk(k_max, dim=-1).values.gather(1, top_k.clamp(max=k_max) - 1)
+    return probs.masked_fill_(probs < kth, 0.0)
+
+
+def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of heaviest tokens whose share of the row's weight reaches top_p
+    (at least one; ties with the lightest kept token survive); top_p is [R, 1].
+
+    Sorting a 150k vocabulary is the expensive part of sampling on CPU and a nucleus is usually
+    small, so each row looks at a growing number of top candidates until its nucleus fits;
+    rows that fit early are not looked at again.
     """
-    probs = torch.softmax(x, dim=-1)
-    k = min(64, x.shape[1])
-    while True:
-        values, indices = probs.topk(k, dim=-1)
+    rows, width = probs.shape
+    goal = top_p * probs.sum(dim=-1, keepdim=True)
+    threshold = torch.empty(rows, 1)
+    pending = torch.arange(rows)
+    k = min(64, width)
+    while pending.numel():
+        values = _take(probs, pending.tolist()).topk(k, dim=-1).values
         mass = values.cumsum(dim=-1)
-        if k == x.shape[1] or bool((mass[:, -1] >= top_p.squeeze(1)).all()):
-            break
-        k = min(k * 8, x.shape[1])
-    keep = (mass - values) < top_p  # the mass before a token has not reached top_p yet
-    kept = torch.full_like(x, float("-inf"))
-    kept.scatter_(1, indices, torch.where(keep, x.gather(1, indices), float("-inf")))
-    return kept
+        g = goal[pending]
+        done = (mass[:, -1:] >= g).squeeze(1) if k < width else torch.ones(len(pending), dtype=torch.bool)
+        n_keep = ((mass - values) < g).sum(dim=-1, keepdim=True)  # weight before it is short of goal
+        threshold[pending[done]] = values.gather(1, n_keep - 1)[done]
+        pending = pending[~done]
+        k = min(k * 8, width)
+    return probs.masked_fill_(probs < threshold, 0.0)

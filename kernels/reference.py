@@ -65,6 +65,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     positions = torch.arange(num_pages * block_size, device=q.device)
     visible = positions[None, :] < seq_lens[:, None].to(q.device)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)  # stale padding may hold NaN; 0 * NaN = NaN
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgk,bkhd->bhgd", probs, v)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -207,3 +207,9 @@ async def until_disconnected(request: Request, work: Any) -> Any:
     except BaseException:  # noqa: BLE001 - cancelled on purpose
         pass
     raise ClientDisconnected()
+
+
+def log_rejected(metrics: ServerMetrics, route: str, request_id: str, error: APIError) -> None:
+    """The log line and count of a request refused before it reached the engine."""
+    metrics.requests.labels(route, str(error.status)).inc()
+    request_log.info("%s %s status=%d error=%r", request_id, route, error.status, error.message)

@@ -93,7 +93,7 @@ def test_load_weights_names_unexpected_and_missing(tmp_path: Path) -> None:
 def test_load_weights_rejects_wrong_shape(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path / "m", "llama")
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight: .*shape \(3, 64\)"):
         model.load_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 64))])
 
 
@@ -244,7 +244,8 @@ def test_embedded_gguf_matches_transformers(embedded) -> None:
 
     ours = load_model(model_dir, torch.float32, torch.device("cpu"))
     logits = PagedModelDriver(ours, num_blocks=8, block_size=16).step({0: ids})
-    assert (logits - expected).abs().max().item() < 2e-3
+    max_diff = (logits - expected).abs().max().item()
+    assert max_diff < 2e-4, f"max |logit diff| {max_diff:.2e} vs transformers"  # 30 layers, fp32
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, _top_k, _top_p
+from engine.sampler import Sampler, _top_k_, _top_p_
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -102,24 +102,26 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
 
 
 def test_top_k_mask():
-    x = torch.tensor([[1.0, 4.0, 3.0, 2.0], [4.0, 3.0, 2.0, 1.0]])
-    out = _top_k(x, [2, 3])
-    assert torch.isinf(out).tolist() == [[True, False, False, True], [False, False, False, True]]
+    weights = torch.tensor([[1.0, 4.0, 3.0, 2.0], [4.0, 3.0, 2.0, 1.0]])
+    out = _top_k_(weights.clone(), torch.tensor([[2], [3]]))
+    assert out.tolist() == [[0.0, 4.0, 3.0, 0.0], [4.0, 3.0, 2.0, 0.0]]
 
 
 def test_top_p_mask_boundaries():
-    x = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = lambda p: (~torch.isinf(_top_p(x, torch.tensor([[p]])))).tolist()[0]  # noqa: E731
+    weights = torch.tensor([[5.0, 3.0, 1.5, 0.5]])  # unnormalised: shares .5 .3 .15 .05
+    kept = lambda p: (_top_p_(weights.clone(), torch.tensor([[p]])) > 0).tolist()[0]  # noqa: E731
     assert kept(0.79) == [True, True, False, False]
     assert kept(0.81) == [True, True, True, False]
     assert kept(0.1) == [True, False, False, False]
+    assert kept(1.0 - 1e-6) == [True, True, True, True]
 
 
 def test_top_p_matches_a_full_sort_on_a_wide_flat_vocabulary():
     torch.manual_seed(1)
-    x = torch.randn(3, 5000) * 0.3  # nucleus far beyond the first candidate round
+    x = torch.randn(3, 5000) * 0.3  # rows 0 and 2: nucleus far beyond the first candidate round
+    x[1, 17] = 12.0  # row 1: a one-token nucleus, resolved in the first round
     top_p = torch.tensor([[0.9], [0.5], [0.99]])
-    got = ~torch.isinf(_top_p(x, top_p))
+    got = _top_p_(x.exp(), top_p) > 0
     probs = torch.softmax(x, -1)
     for row in range(3):
         sorted_p, order = probs[row].sort(descending=True)
@@ -127,7 +129,7 @@ def test_top_p_matches_a_full_sort_on_a_wide_flat_vocabulary():
         want = torch.zeros(5000, dtype=torch.bool)
         want[order[:n_keep]] = True
         assert torch.equal(got[row], want)
-        assert n_keep > 64
+        assert n_keep == 1 if row == 1 else n_keep > 64
 
 
 def draws(sampler: Sampler, logits: torch.Tensor, seq: Sequence, n: int = 300) -> set[int]:
@@ -210,3 +212,15 @@ def test_padded_lm_head_columns_are_never_chosen():
     results = Sampler({EOS}, 10)(logits, [make_seq([1], temperature=0.0), make_seq([1], seed=0, logprobs=2)])
     assert all(r.token_id < 10 for r in results)
     assert all(t < 10 for t, _ in results[1].logprob.top)
+
+
+def test_filters_apply_to_their_own_rows_in_a_mixed_batch():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(4, 1)
+    sampler = Sampler({EOS}, 4)
+    seqs = [make_seq([0], top_k=1, seed=1), make_seq([0], seed=2), make_seq([0], top_p=0.6, seed=3),
+            make_seq([0], min_p=0.5, temperature=0.0), make_seq([0], min_p=0.5, seed=4)]
+    seen = [set() for _ in seqs]
+    for _ in range(300):
+        for i, r in enumerate(sampler(torch.cat([logits, logits[:1]]), seqs)):
+            seen[i].add(r.token_id)
+    assert seen == [{0}, {0, 1, 2, 3}, {0, 1}, {0}, {0, 1}]

@@ -196,10 +196,13 @@ class LlamaForCausalLM(nn.Module):
                 unexpected.append(ckpt_name)
                 continue
             loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+            try:
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as err:
+                raise ValueError(f"checkpoint tensor {ckpt_name}: {err}") from None
             loaded[name].add(shard_id)
         missing = [name if shards == {None} else f"{name} (shards {sorted(map(str, shards))})"
                    for name in params if (shards := expected[name] - loaded[name])]

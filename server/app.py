@@ -1,0 +1,45 @@
+"""The FastAPI app: routes at / and /v1, errors in OpenAI's shape, keys, body limit, lifecycle."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+
+from engine.config import FdserveConfig
+from server import __version__
+from server.auth import APIKeyMiddleware
+from server.errors import install_error_handlers
+from server.limits import BodyLimitMiddleware
+from server.routes import router
+from server.state import EngineFactory, ServerState, default_engine_factory
+
+
+def build_app(config: FdserveConfig, engine: Any | None = None,
+              engine_factory: EngineFactory = default_engine_factory) -> FastAPI:
+    """With `engine` given (tests), the app serves it and leaves its lifecycle to the caller;
+    otherwise the model loads in the background at startup and is drained on shutdown."""
+    state = ServerState(config, engine)
+    owns_engine = engine is None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if owns_engine:
+            state.load_in_background(engine_factory)
+        else:
+            state.log_ready()
+        yield
+        if owns_engine:
+            # uvicorn has already waited for the requests in flight (SIGTERM); drain what is left.
+            await state.shutdown(config.server.request_timeout)
+
+    app = FastAPI(title="fdserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fdserve = state
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(router, prefix="/v1")
+    # Starlette runs the last-added middleware first: keys are checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, keys=config.api.api_keys)
+    return app

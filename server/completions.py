@@ -1,0 +1,145 @@
+"""POST /v1/completions (legacy): a prompt string, a batch of them, or token ids.
+
+Choice index i*n + j is choice j of prompt i, as OpenAI numbers them. Streams end like chat
+streams: a last chunk per choice with its finish_reason, the usage chunk only when asked, [DONE].
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from server.constraints import constraint_processors
+from server.errors import APIError, bad_request
+from server.generation import Generation
+from server.logprobs import CompletionLogprobs, merge_completion_logprobs
+from server.protocol import CompletionRequest
+from server.sampling import build_params, max_tokens_for
+from server.state import ServerState
+from server.respond import CLIENT_CLOSED, choice_error, respond, usage
+from server.streaming import DONE, sse, sse_error
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    try:  # raw text prompts get the model's BOS, as the model saw in training
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    except TypeError:
+        return list(tokenizer.encode(text))
+
+
+class CompletionRun:
+    def __init__(self, state: ServerState, req: CompletionRequest) -> None:
+        self.state = state
+        self.req = req
+        self.engine: Any = None
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.prompt_texts: list[str] = []
+
+    def _prompts(self) -> list[list[int]]:
+        prompt, tokenizer = self.req.prompt, self.engine.tokenizer
+        if isinstance(prompt, str):
+            batch: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise bad_request("prompt must not be empty", "prompt")
+        ids = []
+        for item in batch:
+            tokens = _encode(tokenizer, item) if isinstance(item, str) else list(item)
+            if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
+                raise bad_request("prompt contains a token id outside the vocabulary", "prompt")
+            ids.append(tokens)
+            self.prompt_texts.append(item if isinstance(item, str) else tokenizer.decode(tokens))
+        return ids
+
+    async def prepare(self) -> Generation:
+        req = self.req
+        engine = self.engine = self.state.ready_engine()
+        self.state.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+        n = 1 if req.n is None else req.n
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        prompts = self._prompts()
+        longest = max(len(p) for p in prompts)
+        max_tokens = max_tokens_for(req.max_tokens, "max_tokens", longest, engine.max_context_len,
+                                    engine.max_new_tokens, DEFAULT_MAX_TOKENS)
+        params = build_params(req, engine=engine, max_tokens=max_tokens, logprobs=req.logprobs,
+                              rename={"top_logprobs": "logprobs"})
+        processors = await constraint_processors(engine, req.response_format)
+        if processors:
+            params.logits_processors = processors
+        return Generation(engine, self.state.metrics, "completions", self.id, prompts, params, prompt_param="prompt")
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.engine.served_model_name, "choices": choices, **extra}
+
+    async def _choice_pieces(self, gen: Generation) -> AsyncIterator[tuple[int, str, dict | None, str | None]]:
+        """(choice index, text, logprobs piece, finish_reason) per delta; echo comes first."""
+        n = gen.params.n
+        trackers: dict[int, CompletionLogprobs] = {}
+        echoed: set[int] = set()
+        async for prompt_index, out in gen.outputs():
+            for delta in out.deltas:
+                index = prompt_index * n + delta.index
+                failure = choice_error(delta, out.error) if delta.finish_reason else None
+                if failure is not None:
+                    raise failure
+                text = delta.text
+                if self.req.echo and index not in echoed:
+                    echoed.add(index)
+                    text = self.prompt_texts[prompt_index] + text
+                logprobs = None
+                if self.req.logprobs is not None:
+                    tracker = trackers.setdefault(index, CompletionLogprobs(self.state.token_texts))
+                    logprobs = tracker.piece(delta.logprobs)
+                yield index, text, logprobs, delta.finish_reason
+
+    async def collect(self, gen: Generation) -> dict[str, Any]:
+        total = len(gen.prompts) * gen.params.n
+        texts: list[list[str]] = [[] for _ in range(total)]
+        logprobs: list[list[dict]] = [[] for _ in range(total)]
+        reasons: list[str | None] = [None] * total
+        async for index, text, piece, reason in self._choice_pieces(gen):
+            texts[index].append(text)
+            if piece is not None:
+                logprobs[index].append(piece)
+            reasons[index] = reason or reasons[index]
+        choices = [{"index": i, "text": "".join(texts[i]),
+                    "logprobs": merge_completion_logprobs(logprobs[i]) if self.req.logprobs is not None else None,
+                    "finish_reason": reasons[i] or "stop"} for i in range(total)]
+        return self._chunk(choices, usage=usage(gen))
+
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
+        status, error, reasons = CLIENT_CLOSED, None, []
+        try:
+            async for index, text, piece, reason in self._choice_pieces(gen):
+                if text or (piece and piece["tokens"]):
+                    yield sse(self._chunk([{"index": index, "text": text, "logprobs": piece, "finish_reason": None}]))
+                if reason:
+                    reasons.append(reason)
+                    yield sse(self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}]))
+            if self.req.include_usage:
+                yield sse(self._chunk([], usage=usage(gen)))
+            status = 200
+            yield DONE
+        except APIError as exc:
+            status, error = exc.status, exc.message
+            yield sse_error(exc)
+            yield DONE
+        finally:
+            gen.log(status, reasons, error)
+
+
+async def create_completion(request: Request, state: ServerState, req: CompletionRequest) -> Response:
+    return await respond(request, state, CompletionRun(state, req), "completions", bool(req.stream))

@@ -1,0 +1,70 @@
+"""What chat and legacy completions share: running a prepared request and answering it."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.outputs import CompletionDelta
+from server.errors import APIError
+from server.generation import ClientDisconnected, Generation, log_rejected, until_disconnected
+from server.state import ServerState
+from server.streaming import SSEResponse
+
+CLIENT_CLOSED = 499  # logged and counted, never sent: nobody is listening any more
+
+
+class Run(Protocol):
+    id: str
+
+    async def prepare(self) -> Generation: ...
+    def events(self, gen: Generation) -> AsyncIterator[str]: ...
+    async def collect(self, gen: Generation) -> dict[str, Any]: ...
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": gen.num_output_tokens,
+            "total_tokens": gen.num_prompt_tokens + gen.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
+
+
+def choice_error(delta: CompletionDelta, error: str | None) -> APIError | None:
+    """An engine finish that is no answer: the request was aborted or failed inside the engine."""
+    if delta.finish_reason == "error":
+        return APIError(500, error or "the engine failed while generating", "server_error", None, "engine_error")
+    if delta.finish_reason == "abort":
+        return APIError(503, "the request was aborted by the server", "service_unavailable_error", None,
+                        "request_aborted")
+    return None
+
+
+async def respond(request: Request, state: ServerState, run: Run, route: str, stream: bool) -> Response:
+    """Validate and start (errors are HTTP errors), then stream or collect the answer."""
+    try:
+        gen = await run.prepare()
+    except APIError as exc:
+        log_rejected(state.metrics, route, run.id, exc)
+        raise
+    try:
+        await until_disconnected(request, gen.start())
+    except ClientDisconnected:
+        gen.log(CLIENT_CLOSED, error="client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:
+        gen.log(exc.status, error=exc.message)
+        raise
+    if stream:
+        return SSEResponse(run.events(gen), on_close=gen.aclose)
+    try:
+        body = await until_disconnected(request, run.collect(gen))
+    except ClientDisconnected:
+        gen.log(CLIENT_CLOSED, error="client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:
+        gen.log(exc.status, error=exc.message)
+        raise
+    finally:
+        await gen.aclose()
+    gen.log(200, [c["finish_reason"] for c in body["choices"]])
+    return JSONResponse(body)

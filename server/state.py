@@ -1,0 +1,112 @@
+"""The server's view of the engine: loading (in a background thread), ready, draining, failed.
+
+The HTTP port opens before the model has loaded, so /health can answer 503 while it loads
+(orchestrators and clients wait on it) and a load failure is reported, not hidden.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from engine.config import FdserveConfig
+from engine.outputs import EngineStats
+from server.errors import APIError, model_not_found, unavailable
+from server.logprobs import TokenTexts
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger("fdserve.server")
+
+EngineFactory = Callable[[FdserveConfig], Any]
+
+
+def default_engine_factory(config: FdserveConfig) -> Any:
+    from engine import AsyncEngine
+
+    return AsyncEngine(config)
+
+
+def public_base_url(config: FdserveConfig) -> str:
+    """The URL clients should use: [api] base_url, else this host and port with /v1."""
+    if config.api.base_url:
+        return config.api.base_url.rstrip("/")
+    host = config.server.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.server.port}/v1"
+
+
+class ServerState:
+    def __init__(self, config: FdserveConfig, engine: Any | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.phase = "ready" if engine is not None else "loading"
+        self.load_error: str | None = None
+        self.started = time.time()
+        self.metrics = ServerMetrics(self._stats)
+        self.token_texts: TokenTexts | None = TokenTexts(engine.tokenizer) if engine is not None else None
+        self.on_load_failure: Callable[[], None] | None = None
+
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    # ----- loading ---------------------------------------------------------------------------
+    def load_in_background(self, factory: EngineFactory = default_engine_factory) -> threading.Thread:
+        thread = threading.Thread(target=self._load, args=(factory,), name="fdserve-load", daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self, factory: EngineFactory) -> None:
+        started = time.monotonic()
+        try:
+            engine = factory(self.config)
+            engine.start()
+        except Exception as exc:  # noqa: BLE001 - reported on /health and in the log, then the server stops
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.phase = "failed"
+            logger.error("model failed to load: %s", self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
+            return
+        self.token_texts = TokenTexts(engine.tokenizer)
+        self.engine = engine
+        self.phase = "ready"
+        self.log_ready(time.monotonic() - started)
+
+    def log_ready(self, load_seconds: float | None = None) -> None:
+        engine = self.engine
+        took = f" in {load_seconds:.1f}s" if load_seconds is not None else ""
+        logger.info("fdserve ready%s: base URL %s | model %s | context %d tokens | attention path: %s",
+                    took, public_base_url(self.config), engine.served_model_name, engine.max_context_len,
+                    engine.attention_path)
+
+    # ----- per request -----------------------------------------------------------------------
+    def ready_engine(self) -> Any:
+        if self.phase == "ready" and self.engine is not None:
+            return self.engine
+        if self.phase == "loading":
+            raise unavailable("the model is still loading; retry shortly", "model_loading")
+        if self.phase == "draining":
+            raise unavailable("the server is shutting down", "shutting_down")
+        raise APIError(503, f"the model failed to load: {self.load_error}", "service_unavailable_error",
+                       None, "model_load_failed")
+
+    def check_model(self, model: str | None) -> None:
+        """Single-model server: the served name (or no model field at all) is accepted; anything else is 404."""
+        engine = self.ready_engine()
+        if model is not None and model != engine.served_model_name:
+            raise model_not_found(model, engine.served_model_name)
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """SIGTERM: refuse new requests, let those in flight finish, stop the engine."""
+        engine = self.engine
+        self.phase = "draining"
+        if engine is None:
+            return
+        logger.info("draining: waiting up to %.0fs for requests in flight", drain_timeout)
+        await engine.drain(drain_timeout)
+        engine.shutdown()
+        logger.info("engine stopped")
