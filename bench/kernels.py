@@ -186,31 +186,57 @@ def run_bench(seed: int, copy_bw: float, pages=(16, 64)) -> list[dict]:
     return rows
 
 
+def sweep_configs() -> list[DecodeConfig]:
+    """Prefetch on/off, KV tile, warps and occupancy target: what the defaults were chosen from."""
+    configs = [DecodeConfig(prefetch=False, block_n=128, num_stages=3)]   # Triton's own pipeliner
+    configs += [DecodeConfig(prefetch=True, block_n=bn, num_warps=w, num_stages=1)
+                for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+    configs += [DecodeConfig(prefetch=True, block_n=64, num_stages=1, ctas_per_sm=c) for c in (3, 4)]
+    configs += [DecodeConfig(prefetch=True, block_n=128, num_warps=8, num_stages=1, ctas_per_sm=c) for c in (1, 3)]
+    return configs
+
+
 def run_sweep(seed: int, copy_bw: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(1, 16 * K), (1, 128 * K), (8, 16 * K), (32, 16 * K), (32, 64 * K)]
-    configs = [DecodeConfig(block_n=bn, num_stages=st) for bn in (32, 64, 128) for st in (2, 3, 4)]
-    configs += [DecodeConfig(block_n=bn, num_warps=8) for bn in (64, 128)]
-    configs += [DecodeConfig(ctas_per_sm=c) for c in (1, 3, 4)]
-    configs += [DecodeConfig(min_chunk=c) for c in (128, 512)]
+    shapes = [(1, 4 * K), (1, 16 * K), (1, 128 * K), (8, 16 * K), (32, 16 * K), (32, 128 * K)]
     rows = []
-    for page in (16, 64):
+    for page in (16,):
         for batch, length in shapes:
             q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             k, v, tables, seq_lens = paged_kv([length] * batch, page, gen)
-            for cfg in configs:
-                out = torch.empty_like(q)
-                try:
-                    us = graph_time_us(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
-                                                                variant="flash", out=out, config=cfg), rep=60)
-                except Exception as exc:   # a config that does not compile (shared memory) is data too
-                    rows.append({"page": page, "B": batch, "L": length, "config": repr(cfg), "error": str(exc)[:200]})
-                    continue
-                rows.append({"page": page, "B": batch, "L": length, "config": repr(cfg), "us": us,
-                             "frac": kv_bytes(batch, length) / (us * 1e-6) / copy_bw})
+            ref = reference_fp32(q, k, v, tables, seq_lens)
+            for cfg in sweep_configs():
+                for variant in ("flash", "fdpp"):
+                    out = torch.empty_like(q)
+                    row = {"page": page, "B": batch, "L": length, "variant": variant, "config": repr(cfg)}
+                    try:
+                        us = graph_time_us(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
+                                                                    variant=variant, out=out, config=cfg), rep=60)
+                    except Exception as exc:   # a config that does not compile is data too
+                        rows.append({**row, "error": str(exc)[:300]})
+                        continue
+                    rows.append({**row, "us": us, "err": rel_err(out, ref),
+                                 "frac": kv_bytes(batch, length) / (us * 1e-6) / copy_bw})
             del k, v
             torch.cuda.empty_cache()
     return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """One line per config: µs at each sweep shape, flash / fdpp."""
+    shapes = sorted({(r["B"], r["L"]) for r in rows})
+    print("sweep (P=16), µs flash/fdpp at " + ", ".join(f"B{b} L{l // K}K" for b, l in shapes))
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        cells = []
+        for shape in shapes:
+            got = {r["variant"]: r for r in rows if r["config"] == cfg and (r["B"], r["L"]) == shape}
+            cells.append("/".join(f"{got[v]['us']:.1f}" if "us" in got.get(v, {}) else "ERR" for v in ("flash", "fdpp")))
+        short = cfg.replace("DecodeConfig", "").replace(", merge_warps=4, extra={}", "").replace("max_splits=64, ", "")
+        print(f"  {short}: " + " | ".join(cells))
+    errs = [r for r in rows if "error" in r]
+    for r in errs[:3]:
+        print("  error:", r["config"][:80], r["error"][:200])
+    print(f"  worst sweep rel err {max((r['err'] for r in rows if 'err' in r), default=0):.2e}")
 
 
 def plot(bench: list[dict], path: Path) -> None:
@@ -289,11 +315,7 @@ def main() -> None:
         plot(result["bench"], args.out / "kernels_latency.png")
         print(f"bench done in {time.time() - t0:.0f}s", flush=True)
     if "sweep" in result:
-        for (page, batch, length) in sorted({(r["page"], r["B"], r["L"]) for r in result["sweep"]}):
-            rows = sorted((r for r in result["sweep"] if (r["page"], r["B"], r["L"]) == (page, batch, length)
-                           and "us" in r), key=lambda r: r["us"])
-            print(f"sweep P={page} B={batch} L={length // K}K best: "
-                  + "; ".join(f"{r['us']:.1f}us {r['config'].replace('DecodeConfig', '')[:60]}" for r in rows[:3]))
+        print_sweep(result["sweep"])
     if "check" in result:
         bad = [r for r in result["check"] if not r["ok"]]
         worst = {}

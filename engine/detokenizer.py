@@ -104,7 +104,7 @@ class IncrementalDetokenizer:
         longest = 0
         for stop in self._stop:
             for k in range(min(len(stop) - 1, len(buf)), longest, -1):
-                if buf.endswith(stop[:k]):
+                if buf[-k] == stop[0] and buf.endswith(stop[:k]):  # cheap first-char filter
                     longest = k
                     break
         return longest

@@ -73,6 +73,7 @@ class LLMEngine:
                                    config.backend.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
         self.requests: dict[str, _Request] = {}
+        self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
         self.attention_counters: dict[str, float] = {}
         self.num_generated_tokens = 0
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
@@ -106,7 +107,9 @@ class LLMEngine:
             budget = int(total * backend.kv_cache_ratio) - used_by_others - peak
         else:
             budget = int(backend.cpu_kv_cache_bytes * backend.kv_cache_ratio)
-        num_blocks = self.runner.num_blocks_for_budget(budget)
+        # More than every running sequence at full context could ever use is wasted memory.
+        useful = backend.max_num_seqs * -(-self.max_context_len // backend.block_size)
+        num_blocks = min(self.runner.num_blocks_for_budget(budget), useful)
         if num_blocks < 2:
             raise ConfigError("backend.kv_cache_ratio / cpu_kv_cache_bytes leave no room for the KV cache "
                               f"({budget} bytes); raise them or set backend.num_kv_blocks")
@@ -126,11 +129,12 @@ class LLMEngine:
         limit = min(self.max_context_len, self.capacity_tokens)
         if num_prompt >= limit:
             raise ContextLengthExceeded(limit, num_prompt)
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
-        if bad:
-            raise SamplingParamsError(f"token id {bad[0]} is outside the vocabulary", "prompt")
-        if params.max_tokens is None or params.max_tokens > self.max_new_tokens:
-            params.max_tokens = self.max_new_tokens if params.max_tokens is None else params.max_tokens
+        lowest, highest = min(prompt_token_ids), max(prompt_token_ids)
+        if lowest < 0 or highest >= self.vocab_size:
+            bad = lowest if lowest < 0 else highest
+            raise SamplingParamsError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        # max_new_tokens is both the default and the cap; the context limit is enforced per step.
+        params.max_tokens = min(params.max_tokens or self.max_new_tokens, self.max_new_tokens)
         choices = []
         for index in range(params.n):
             seq = Sequence(request_id, prompt_token_ids, params, choice_index=index, arrival_time=time.monotonic())

@@ -1,13 +1,17 @@
 """Turns one step's logits into one token per sequence.
 
 Order: repetition / presence / frequency penalties on the raw logits, logit_bias, the
-min_tokens mask (last, so no bias can lift it), then temperature, top-k, top-p, min-p and a
-draw. Every stage runs only on the rows that use it, vectorised over those rows; a batch of
-plain greedy requests is a single argmax. Logprobs are read from the raw logits, as OpenAI
-reports them.
+min_tokens mask (last, so no bias can lift it); then, for non-greedy rows, temperature,
+top-k, top-p, min-p and a draw. Every stage runs only on the rows that use it, vectorised
+over those rows; a batch of plain greedy requests is a single argmax. Logprobs are read from
+the raw logits, as OpenAI reports them.
+
+Callers must `release(seq_id)` every sequence that ends (finished or aborted): the sampler
+keeps per-sequence generators (seeded requests) and penalty statistics until then.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,7 +196,8 @@ class Sampler:
 
     # -- logprobs --
 
-    def _logprobs(self, raw: Tensor, chosen_ids: list[int], params: list[SamplingParams]) -> dict[int, TokenLogprob]:
+    def _logprobs(self, raw: Tensor, chosen_ids: list[int],
+                  params: list[SamplingParams]) -> dict[int, TokenLogprob]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return {}
@@ -214,7 +219,7 @@ def _take(t: Tensor, rows: list[int]) -> Tensor:
     return t if len(rows) == t.shape[0] else t[rows]
 
 
-def _in_rows(t: Tensor, rows: list[int], fn, arg: Tensor) -> None:
+def _in_rows(t: Tensor, rows: list[int], fn: Callable[[Tensor, Tensor], Tensor], arg: Tensor) -> None:
     """Apply the in-place `fn(rows_of_t, arg)` to t[rows]; no copies when every row takes part."""
     if len(rows) == t.shape[0]:
         fn(t, arg)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flash_decoding import (LOG2E, attend_exact, check_shapes, load_kv_tile, load_q_rows,
-                                    resolve_splits, rows_per_tile, split_plan, store_rows)
+from kernels.flash_decoding import (LOG2E, attend, check_shapes, load_q_rows, resolve_splits,
+                                    rows_per_tile, split_plan, store_rows)
 from kernels.reference import safe_window
 from kernels.vendor import DecodeConfig, configs_for, interpreting
 
@@ -51,8 +51,8 @@ def _estimate_phi(q, K, bt_row, L, hk, stride_kb, stride_kt, stride_kh, scale_lo
 def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
               stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
               GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-              BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-              FALLBACK: tl.constexpr):
+              BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+              UPCAST: tl.constexpr, FALLBACK: tl.constexpr):
     """Range-check the summed rows, count the bad ones, recompute them exactly if asked, store."""
     rows = tl.arange(0, BLOCK_H)
     excess = m - phi
@@ -63,8 +63,8 @@ def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_
     if num_bad > 0:
         tl.atomic_add(STATS, num_bad.to(tl.int64))
         if FALLBACK:
-            _, l_x, acc_x = attend_exact(q, K, V, bt_row, 0, L, hk, stride_kb, stride_kt, stride_kh,
-                                         scale_log2, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, UPCAST)
+            _, l_x, acc_x = attend(q, K, V, bt_row, 0, L, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+                                   phi, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
             out = tl.where(bad[:, None], acc_x / tl.where(l_x > 0, l_x, 1.0)[:, None], out)
     store_rows(OUT, out, b, hk, stride_ob, stride_oh, GROUP, BLOCK_H, D)
 
@@ -75,7 +75,8 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                  stride_ob, stride_oh, scale_log2, phi_log2, lo_win, hi_win, max_splits, min_chunk,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr, ESTIMATE: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+                 ESTIMATE: tl.constexpr,
                  EST_SINK: tl.constexpr, EST_N: tl.constexpr, FALLBACK: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -92,17 +93,8 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                                 PAGE, D, EST_SINK, EST_N, UPCAST)
         else:
             phi = tl.full([BLOCK_H], phi_log2, tl.float32)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)   # only for the range check
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-            k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
-                                       PAGE, BLOCK_N, D, UPCAST)
-            s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-            m = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - phi[:, None])       # no running max, no rescale of acc
-            l += tl.sum(p, 1)
-            acc += tl.dot(p.to(v.dtype), v)
+        m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+                           phi, True, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
         if num_splits > 1:
             rows = tl.arange(0, BLOCK_H)
             row_ok = rows < GROUP
@@ -124,11 +116,11 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                 tl.store(count, 0)
                 _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
                           stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
-                          GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, UPCAST, FALLBACK)
+                          GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK)
         else:
             _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
                       stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
-                      GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, UPCAST, FALLBACK)
+                      GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK)
 
 
 class _Workspace:
@@ -186,6 +178,6 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         0.0 if phi is None else float(phi) * LOG2E, lo_win, hi_win, max_splits, min_chunk,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
         D=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink, EST_N=est_n,
+        PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink, EST_N=est_n,
         FALLBACK=bool(fallback), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
     return out

@@ -33,15 +33,46 @@ def split_plan(L, max_splits, min_chunk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def kv_token_offsets(bt_row, start, offs, valid, stride_kb, stride_kt,
+def kv_token_offsets(bt_row, start, hi, offs, valid, stride_kb, stride_kt,
                      PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """int64 element offsets of tokens `offs` (the tile starting at `start`) in the paged cache."""
     if PAGE >= BLOCK_N:
         # Powers of two and BLOCK_N-aligned tiles: the tile sits in one page, one table read.
-        page = tl.load(bt_row + start // PAGE).to(tl.int64)
+        page = tl.load(bt_row + start // PAGE, mask=start < hi, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
     return page * stride_kb + (offs % PAGE).to(tl.int64) * stride_kt
+
+
+@triton.jit
+def tile_tokens(bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets of head `hk` of tokens [start, start + BLOCK_N) and the mask of those < hi."""
+    offs = start + tl.arange(0, BLOCK_N)
+    valid = offs < hi
+    tok = kv_token_offsets(bt_row, start, hi, offs, valid, stride_kb, stride_kt, PAGE, BLOCK_N)
+    return tok + hk * stride_kh, valid
+
+
+@triton.jit
+def load_tile(K, V, tok, valid, D: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [BLOCK_N, D]. Masked tokens read as 0: unwritten cache memory may hold NaN bit
+    patterns, and 0·NaN = NaN in P·V."""
+    ptr = tok[:, None] + tl.arange(0, D)[None, :]
+    k = tl.load(K + ptr, mask=valid[:, None], other=0.0)
+    v = tl.load(V + ptr, mask=valid[:, None], other=0.0)
+    if UPCAST:   # the interpreter mis-computes bf16 arithmetic
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+    tok, valid = tile_tokens(bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N)
+    k, v = load_tile(K, V, tok, valid, D, UPCAST)
+    return k, v, valid
 
 
 @triton.jit
@@ -53,49 +84,69 @@ def load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl
     heads = hk * GROUP + rows
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=(rows < GROUP)[:, None], other=0.0)
-    if UPCAST:   # the interpreter mis-computes bf16 arithmetic
+    if UPCAST:
         q = q.to(tl.float32)
     return q
 
 
 @triton.jit
-def load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
-    """K and V [BLOCK_N, D] of tokens [start, start + BLOCK_N) and the mask of those < hi.
+def softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC: tl.constexpr):
+    """Fold one KV tile into (m, l, acc), log2 units.
 
-    Masked tokens read as 0: unwritten cache memory may hold NaN bit patterns, and 0·NaN = NaN.
+    Exact: online softmax, rescaling l and acc whenever the running max m grows.
+    ASYNC (FD++): exponentiate against the unified max φ; no rescale. m is then only the true
+    row max, kept (one reduction, no exponential) for the range check.
     """
-    offs = start + tl.arange(0, BLOCK_N)
-    valid = offs < hi
-    tok = kv_token_offsets(bt_row, start, offs, valid, stride_kb, stride_kt, PAGE, BLOCK_N) + hk * stride_kh
-    ptr = tok[:, None] + tl.arange(0, D)[None, :]
-    k = tl.load(K + ptr, mask=valid[:, None], other=0.0)
-    v = tl.load(V + ptr, mask=valid[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v, valid
-
-
-@triton.jit
-def attend_exact(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
-                 BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 D: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over tokens [lo, hi): (row max m, row sum l, unnormalised acc), log2 units."""
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-        k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
-                                   PAGE, BLOCK_N, D, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    if ASYNC:
+        m = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - phi[:, None])
+        l += tl.sum(p, 1)
+        acc += tl.dot(p.to(v.dtype), v)
+    else:
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2, phi,
+           ASYNC: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+           D: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+    """(m, l, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`).
+
+    PREFETCH: the next tile's K/V and the page ids of the one after it are loaded in the
+    iteration before they are used, so no load waits on another load of its own iteration.
+    (Triton's pipeliner, given the page-table load feeding the K/V addresses, keeps a single
+    buffer and waits for each tile: HBM latency was exposed once per tile.)
+    """
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    if PREFETCH:
+        tok, valid = tile_tokens(bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N)
+        k, v = load_tile(K, V, tok, valid, D, UPCAST)
+        tok_n, valid_n = tile_tokens(bt_row, lo + BLOCK_N, hi, hk, stride_kb, stride_kt, stride_kh,
+                                     PAGE, BLOCK_N)
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            k_n, v_n = load_tile(K, V, tok_n, valid_n, D, UPCAST)
+            tok_nn, valid_nn = tile_tokens(bt_row, start + 2 * BLOCK_N, hi, hk, stride_kb, stride_kt,
+                                           stride_kh, PAGE, BLOCK_N)
+            m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
+            k = k_n
+            v = v_n
+            valid = valid_n
+            tok_n = tok_nn
+            valid_n = valid_nn
+    else:
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                                       PAGE, BLOCK_N, D, UPCAST)
+            m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
     return m, l, acc
 
 
@@ -116,7 +167,7 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
                   stride_ob, stride_oh, scale_log2, max_splits, min_chunk,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
+                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,8 +178,8 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
         hi = tl.minimum(lo + chunk, L)
         q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
-        m, l, acc = attend_exact(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh,
-                                 scale_log2, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, UPCAST)
+        m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+                           scale_log2, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
         if num_splits == 1:
             # One split (short sequence, large batch, or "standard"): normalise here, no merge.
             store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
@@ -245,7 +296,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, max_splits, min_chunk,
-        PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch,
         UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **common, **cfg.extra)
     if max_splits > 1:

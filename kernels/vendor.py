@@ -48,7 +48,8 @@ class DecodeConfig:
 
     block_n: int = 64          # KV tokens per tile
     num_warps: int = 4
-    num_stages: int = 3        # software-pipeline depth of the KV loads
+    num_stages: int = 3        # Triton software-pipeline depth of the KV loop
+    prefetch: bool = True      # load tile i+1 (and page ids of i+2) while computing tile i
     ctas_per_sm: int = 2       # occupancy the split heuristic aims to fill
     min_chunk: int = 256       # fewest KV tokens a split is given (bounds partial traffic)
     max_splits: int = 64       # cap on splits per sequence

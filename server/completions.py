@@ -78,7 +78,8 @@ class CompletionRun:
         processors = await constraint_processors(engine, req.response_format)
         if processors:
             params.logits_processors = processors
-        return Generation(engine, self.state.metrics, "completions", self.id, prompts, params, prompt_param="prompt")
+        return Generation(engine, self.state.metrics, "completions", self.id, prompts, params,
+                          prompt_param="prompt", on_engine_dead=self.state.mark_engine_dead)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,

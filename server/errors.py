@@ -105,7 +105,8 @@ def param_from_loc(loc: tuple[Any, ...] | list[Any]) -> str | None:
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    first = exc.errors()[0]
+    # Of a union's failed branches, the deepest location is the most specific complaint.
+    first = max(exc.errors(), key=lambda e: len([p for p in e.get("loc", ()) if str(p) not in _UNION_TAGS]))
     param = param_from_loc(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     where = f"{param}: " if param else ""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
+from engine.errors import EngineDead
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_engine_error
@@ -28,8 +29,10 @@ class ClientDisconnected(Exception):
 
 class Generation:
     def __init__(self, engine: Any, metrics: ServerMetrics, route: str, request_id: str,
-                 prompts: list[list[int]], params: SamplingParams, prompt_param: str = "messages") -> None:
+                 prompts: list[list[int]], params: SamplingParams, prompt_param: str = "messages",
+                 on_engine_dead: Callable[[str], None] | None = None) -> None:
         self.engine = engine
+        self.on_engine_dead = on_engine_dead
         self.metrics = metrics
         self.route = route
         self.request_id = request_id
@@ -38,7 +41,7 @@ class Generation:
         self.prompt_param = prompt_param
         self._ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._streams: list[AsyncIterator[RequestOutput]] = []
-        self._first: list[RequestOutput | None] = []
+        self._first: list[asyncio.Future] = []  # each stream's first __anext__
         self._closed = False
         # timing and usage
         self.arrival = time.monotonic()
@@ -52,22 +55,29 @@ class Generation:
         self.finish_reasons: list[str] = []
 
     # ----- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Submit every prompt and wait for its first output; engine errors become APIErrors."""
+    async def start(self, grace: float | None = None) -> None:
+        """Submit every prompt and wait for its first output (at most `grace` seconds when given):
+        a request the engine refuses raises here, as an APIError, before any response is sent.
+        Streams pass a grace period so that a request waiting in the queue still gets its
+        stream opened; the engine refuses requests at once, not after queueing them."""
         self.metrics.in_flight.inc()
         try:
             for request_id, prompt in zip(self._ids, self.prompts):
                 stream = self.engine.generate(request_id, prompt, self.params)
                 self._streams.append(stream)
-                self._first.append(await stream.__anext__())
+                self._first.append(asyncio.ensure_future(stream.__anext__()))
+            await asyncio.wait(self._first, timeout=grace, return_when=asyncio.FIRST_EXCEPTION)
+            for first in self._first:
+                if first.done():
+                    first.result()
         except StopAsyncIteration:
             await self.aclose()
-            raise APIError(500, "the engine ended a request without output", "server_error")
+            raise APIError(500, "the engine ended a request without output", "server_error") from None
         except BaseException as exc:
             await self.aclose()
             if isinstance(exc, (asyncio.CancelledError, ClientDisconnected)):
                 raise
-            raise from_engine_error(exc, self.prompt_param) from None
+            raise self._api_error(exc) from None
 
     async def aclose(self) -> None:
         """Abort whatever is still running (idempotent; the engine frees the KV blocks)."""
@@ -75,18 +85,25 @@ class Generation:
             return
         self._closed = True
         self.metrics.in_flight.dec()
-        for request_id, stream in zip(self._ids, self._streams):
-            try:
-                await stream.aclose()
-            except Exception:  # noqa: BLE001 - a stream that failed is finished anyway
-                pass
-            self.engine.abort(request_id)
+        for request_id in self._ids[:len(self._streams)]:
+            self.engine.abort(request_id)  # first, and without awaiting: this must happen even if cancelled
+        try:
+            for first in self._first:
+                first.cancel()
+            await asyncio.gather(*self._first, return_exceptions=True)
+            for stream in self._streams:
+                try:
+                    await stream.aclose()
+                except Exception:  # noqa: BLE001 - a stream that failed is finished anyway
+                    pass
+        except asyncio.CancelledError:
+            pass
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they arrive; raises APIError for errors after the start."""
         try:
             if len(self._streams) == 1:
-                async for out in self._single():
+                async for out in self._outputs_of(0):
                     yield 0, out
             else:
                 async for item in self._merged():
@@ -94,17 +111,24 @@ class Generation:
         except (APIError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
-            raise from_engine_error(exc, self.prompt_param) from None
+            raise self._api_error(exc) from None
 
-    async def _single(self) -> AsyncIterator[RequestOutput]:
-        first = self._first[0]
-        if first is not None:
-            self._observe(0, first)
-            yield first
-            if first.finished:
-                return
-        async for out in self._streams[0]:
-            self._observe(0, out)
+    def _api_error(self, exc: BaseException) -> APIError:
+        if isinstance(exc, EngineDead) and self.on_engine_dead is not None:
+            self.on_engine_dead(str(exc))
+        return from_engine_error(exc, self.prompt_param)
+
+    async def _outputs_of(self, index: int) -> AsyncIterator[RequestOutput]:
+        try:
+            first = await self._first[index]
+        except StopAsyncIteration:
+            return
+        self._observe(index, first)
+        yield first
+        if first.finished:
+            return
+        async for out in self._streams[index]:
+            self._observe(index, out)
             yield out
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -112,12 +136,7 @@ class Generation:
 
         async def pump(index: int) -> None:
             try:
-                first = self._first[index]
-                if first is not None:
-                    await queue.put((index, first))
-                    if first.finished:
-                        return
-                async for out in self._streams[index]:
+                async for out in self._outputs_of(index):
                     await queue.put((index, out))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((index, exc))
@@ -134,7 +153,6 @@ class Generation:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    self._observe(index, item)
                     yield index, item
         finally:
             for task in tasks:

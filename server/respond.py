@@ -13,6 +13,10 @@ from server.state import ServerState
 from server.streaming import SSEResponse
 
 CLIENT_CLOSED = 499  # logged and counted, never sent: nobody is listening any more
+# How long a stream waits for its first output before opening: enough for the engine to accept
+# or refuse the request (refusals are then HTTP errors); a request that is merely queued longer
+# gets its stream (and role chunk) and waits there.
+STREAM_OPEN_GRACE_S = 1.0
 
 
 class Run(Protocol):
@@ -47,7 +51,7 @@ async def respond(request: Request, state: ServerState, run: Run, route: str, st
         log_rejected(state.metrics, route, run.id, exc)
         raise
     try:
-        await until_disconnected(request, gen.start())
+        await until_disconnected(request, gen.start(STREAM_OPEN_GRACE_S if stream else None))
     except ClientDisconnected:
         gen.log(CLIENT_CLOSED, error="client disconnected")
         return Response(status_code=CLIENT_CLOSED)

@@ -86,7 +86,7 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
     messages = {"loading": ("the model is loading", "model_loading"),
                 "draining": ("the server is shutting down", "shutting_down"),
-                "failed": (f"the model failed to load: {state.load_error}", "model_load_failed")}
+                "failed": (f"the engine is not available: {state.load_error}", "engine_unavailable")}
     message, code = messages.get(state.phase, ("unavailable", "unavailable"))
     return JSONResponse({"status": state.phase, **error_body(message, "service_unavailable_error", None, code)},
                         status_code=503, headers={"Retry-After": "1"})

@@ -83,6 +83,13 @@ class ServerState:
                     took, public_base_url(self.config), engine.served_model_name, engine.max_context_len,
                     engine.attention_path)
 
+    def mark_engine_dead(self, reason: str) -> None:
+        """The engine loop stopped: /health says so (503) and new requests are refused."""
+        if self.phase == "ready":
+            logger.error("engine failed: %s", reason)
+            self.load_error = reason
+            self.phase = "failed"
+
     # ----- per request -----------------------------------------------------------------------
     def ready_engine(self) -> Any:
         if self.phase == "ready" and self.engine is not None:
@@ -91,8 +98,8 @@ class ServerState:
             raise unavailable("the model is still loading; retry shortly", "model_loading")
         if self.phase == "draining":
             raise unavailable("the server is shutting down", "shutting_down")
-        raise APIError(503, f"the model failed to load: {self.load_error}", "service_unavailable_error",
-                       None, "model_load_failed")
+        raise APIError(503, f"the engine is not available: {self.load_error}", "service_unavailable_error",
+                       None, "engine_unavailable")
 
     def check_model(self, model: str | None) -> None:
         """Single-model server: the served name (or no model field at all) is accepted; anything else is 404."""

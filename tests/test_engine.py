@@ -13,7 +13,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_llm(tiny_dir, **overrides):
-    return LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=256, **overrides)
+    settings = dict(block_size=16, max_num_batched_tokens=256, cpu_kv_cache_bytes=32 << 20)
+    return LLM(model=tiny_dir, **{**settings, **overrides})
 
 
 def prompts(n):
@@ -36,7 +37,7 @@ def test_concurrent_equals_alone(tiny_dir):
 def test_chunked_prefill_equals_whole_prefill(tiny_dir):
     batch = prompts(6)
     whole = make_llm(tiny_dir).generate(batch, GREEDY)
-    chunked = LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=16).generate(batch, GREEDY)
+    chunked = make_llm(tiny_dir, max_num_batched_tokens=16).generate(batch, GREEDY)
     assert [r.token_ids for r in whole] == [r.token_ids for r in chunked]
 
 
@@ -84,7 +85,7 @@ def test_stop_and_max_tokens_and_n(tiny_dir):
 
 def test_context_length_is_enforced(tiny_dir):
     from engine.errors import ContextLengthExceeded
-    llm = LLM(model=tiny_dir, max_context_len=64)
+    llm = make_llm(tiny_dir, max_context_len=64)
     with pytest.raises(ContextLengthExceeded, match="maximum context length is 64"):
         llm.generate([list(range(3, 70))], GREEDY)
     out = llm.generate([list(range(3, 60))], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]

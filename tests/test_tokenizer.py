@@ -240,6 +240,7 @@ def test_fallback_chatml_without_a_template(tmp_path):
 
 # -- The embedded default model's tokenizer --
 
+@pytest.mark.slow
 def test_default_model_tokenizer_streams_exactly():
     try:
         from engine.loader import resolve_model_dir

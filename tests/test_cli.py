@@ -1,0 +1,137 @@
+"""`fdserve`: --version, client-config (without loading the model), serve + SIGTERM drain."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import AsyncEngine, load_config
+from server import __version__
+from server.cli import SUBCOMMANDS, config_from_args, build_parser, main
+from server.client_config import client_settings
+from tests.server_harness import free_port, wait_until
+from tests.tiny_models import make_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny-cli", "llama", max_position_embeddings=1536)
+
+
+def run_cli(*args, timeout=60):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fdserve {__version__}"
+
+
+def test_subcommands_registered():
+    assert {"serve", "client-config"} <= set(SUBCOMMANDS)
+    assert main([]) == 2  # no command: help, exit 2
+
+
+def test_overrides_and_set():
+    args = build_parser().parse_args(["serve", "--port", "9100", "--served-model-name", "m", "--api-key", "k",
+                                      "--max-context-len", "4096", "--set", "flashdecoding.enable=false",
+                                      "--set", "backend.block_size=32", "--set", "model.name=/tmp/some model"])
+    config = config_from_args(args)
+    assert config.server.port == 9100 and config.model.served_model_name == "m"
+    assert config.api.api_keys == ["k"] and config.model.max_context_len == 4096
+    assert config.flashdecoding.enable is False and config.backend.block_size == 32
+    assert config.model.name == "/tmp/some model"
+
+
+def test_bad_config_is_a_clear_error(capsys, tmp_path):
+    assert main(["client-config", "openai", "--set", "server.prot=1"]) == 2
+    assert "did you mean 'port'" in capsys.readouterr().err
+    assert main(["client-config", "openai", "--config", str(tmp_path / "nope.toml")]) == 2
+
+
+def test_client_config_does_not_load_the_model(model_dir):
+    probe = ("import sys; from server.cli import main; "
+             f"main(['client-config', 'cline', '--model', {str(model_dir)!r}, '--port', '9123']); "
+             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("NO-TORCH")
+    settings = json.loads(result.stdout[result.stdout.index("{"):result.stdout.rindex("}") + 1])
+    assert settings["openAiBaseUrl"] == "http://127.0.0.1:9123/v1" and settings["openAiModelId"] == "tiny-cli"
+    assert settings["openAiModelInfo"]["contextWindow"] == 1536
+
+
+@pytest.mark.parametrize("client", ["cline", "cc-switch", "openai", "curl"])
+def test_client_config_snippets(capsys, model_dir, client):
+    assert main(["client-config", client, "--model", str(model_dir), "--max-context-len", "1024",
+                 "--set", 'api.base_url="https://llm.example.com/v1"', "--api-key", "secret"]) == 0
+    out = capsys.readouterr().out
+    assert "https://llm.example.com/v1" in out and "tiny-cli" in out and "secret" not in out
+    if client in ("cline", "cc-switch"):
+        assert "1024" in out
+
+
+def test_client_config_agrees_with_the_engine(model_dir):
+    for overrides in ({}, {"model.max_context_len": 1000, "model.served_model_name": "alias"}):
+        config = load_config(None, overrides={"model.name": str(model_dir), **overrides})
+        engine = AsyncEngine(config)
+        settings = client_settings(config)
+        assert settings.context_window == engine.max_context_len
+        assert settings.model == engine.served_model_name
+
+
+def test_serve_drains_on_sigterm(model_dir):
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--set", "backend.cpu_kv_cache_bytes=8388608", "--set", "server.log_level=info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    root = f"http://127.0.0.1:{port}"
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        def healthy():
+            try:
+                return httpx.get(root + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(healthy, timeout=90, interval=0.2), "".join(log)
+        body = {"model": "tiny-cli", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1200,
+                "ignore_eos": True, "stream": True}
+        finish = None
+        with httpx.stream("POST", root + "/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ")
+            process.send_signal(signal.SIGTERM)  # mid-stream: the request must still complete
+            rest = list(lines)
+        events = [line[6:] for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for event in events[:-1]:
+            for choice in json.loads(event)["choices"]:
+                finish = choice["finish_reason"] or finish
+        assert finish == "length"
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(timeout=5)
+    text = "".join(log)
+    assert f"http://127.0.0.1:{port}/v1" in text and "attention path:" in text
+    assert "completion_tokens=1200" in text and "status=200" in text
