@@ -24,11 +24,10 @@ import random
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 # [flashdecoding] keys per variant; everything else comes from the config and --set.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -55,13 +54,17 @@ class RequestTiming:
         """Per-token decode latency: the time after the first token, per later token."""
         if self.tokens < 2:
             return None
-        return self.total_s / self.tokens * 1e3
+        return (self.total_s - self.ttft_s) / (self.tokens - 1) * 1e3
 
 
 # ----- running requests through the engine -----------------------------------------------------
 
-def random_prompt(vocab_size: int, excluded: set[int], length: int, seed: int) -> list[int]:
-    """`length` token ids, deterministic in `seed`, avoiding special tokens (EOS, BOS, ...)."""
+def random_prompt(vocab_size: int, excluded: set[int], length: int, seed: str) -> list[int]:
+    """`length` token ids, deterministic in `seed`, avoiding special tokens (EOS, BOS, ...).
+
+    The seed is a string because `random.Random(-n)` equals `random.Random(n)`: integer
+    seeds for warm-up and measured rounds would collide and hit the prefix cache.
+    """
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < length:
@@ -102,40 +105,10 @@ def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
     return [RequestTiming(first[i] - start, last[i] - start, tokens[i]) for i in ids], wall
 
 
-@contextmanager
-def synthetic_models() -> Iterator[None]:
-    """Let the engine load `synthetic:<preset>` names.
-
-    Temporary bridge until engine/loader.py recognises them itself (the lead adds the lines);
-    harmless afterwards, since both wrappers defer to the loader for any other name.
-    """
-    import engine.llm_engine as llm_engine
-    from engine import synthetic
-
-    resolve, load = llm_engine.resolve_model_dir, llm_engine.load_model
-
-    def resolve_model_dir(name: str | None) -> Path:
-        if name is not None and synthetic.is_synthetic_name(name):
-            return synthetic.synthetic_model_dir(name)
-        return resolve(name)
-
-    def load_model(model_dir: Path, dtype: Any, device: Any) -> Any:
-        if synthetic.synthetic_marker(model_dir) is not None:
-            return synthetic.build_synthetic_model(model_dir, dtype, device)
-        return load(model_dir, dtype, device)
-
-    llm_engine.resolve_model_dir, llm_engine.load_model = resolve_model_dir, load_model  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        llm_engine.resolve_model_dir, llm_engine.load_model = resolve, load  # type: ignore[assignment]
-
-
 def build_llm(config: Any, variant: str) -> Any:
     from engine.offline import LLM
 
-    with synthetic_models():
-        return LLM(config, **VARIANTS[variant])
+    return LLM(config, **VARIANTS[variant])
 
 
 def free_memory() -> None:
@@ -179,7 +152,7 @@ def _prompt_maker(engine: Any, args: argparse.Namespace) -> Callable[[int], list
     num = 1 if args.mode == "latency" else args.num_requests
 
     def prompts(round_index: int) -> list[list[int]]:
-        return [random_prompt(tok.vocab_size, excluded, args.context_len, args.seed + 1000 * round_index + i)
+        return [random_prompt(tok.vocab_size, excluded, args.context_len, f"{args.seed}/{round_index}/{i}")
                 for i in range(num)]
     return prompts
 
@@ -196,9 +169,13 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
             timings, wall = run_requests(engine, prompts(r), args.max_tokens, bar.update)
             runs.append(_summarise_run(timings, wall))
     row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name,
-                           "overrides": VARIANTS[variant], "counters": dict(engine.attention_counters)}
+                           "overrides": VARIANTS[variant], "counters": dict(engine.attention_counters),
+                           # Must stay 0: a hit would skip prefill and shrink TTFT.
+                           "prefix_cache_hits": engine.block_manager.prefix_cache_hits}
     row.update({k: _median([run[k] for run in runs]) for k in runs[0] if k != "tokens"})
-    row.update(tokens=runs[0]["tokens"], runs=runs)
+    tpots = [run["tpot_ms"] for run in runs if run["tpot_ms"] is not None]
+    # The spread over repeats says how much to trust the median on a shared machine.
+    row.update(tokens=runs[0]["tokens"], tpot_ms_range=[min(tpots), max(tpots)] if tpots else None, runs=runs)
     return row
 
 
@@ -230,11 +207,21 @@ def decode_warnings(max_tokens: int) -> list[str]:
             f"(the seed uses 512)"]
 
 
+def _cpu_name() -> str:
+    try:  # platform.processor() is empty on most Linux systems
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
+    return {"device": torch.cuda.get_device_name(0) if cuda else f"CPU {_cpu_name()}",
             "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "host": platform.node()}
 
 
@@ -287,7 +274,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     latency = result["mode"] == "latency"
-    head = (["variant", "ms/token", "speedup", "TTFT ms", "total ms", "tokens"] if latency else
+    head = (["variant", "ms/token", "min-max", "speedup", "TTFT ms", "total ms", "tokens"] if latency else
             ["variant", "tok/s", "speedup", "wall s", "tokens", "TTFT ms", "ms/token"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["variants"]:
@@ -295,7 +282,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | unavailable: {r['reason']} |")
             continue
         speed = _fmt(r["speedup_vs_standard"], ".2f") + ("x" if r["speedup_vs_standard"] else "")
-        cells = ([_fmt(r["tpot_ms"], ".2f"), speed, _fmt(r["ttft_ms"], ".1f"), _fmt(r["total_ms"], ".1f"),
+        spread = "-" if not r.get("tpot_ms_range") else "{:.2f}-{:.2f}".format(*r["tpot_ms_range"])
+        cells = ([_fmt(r["tpot_ms"], ".2f"), spread, speed, _fmt(r["ttft_ms"], ".1f"), _fmt(r["total_ms"], ".1f"),
                   str(r["tokens"])] if latency else
                  [_fmt(r["tok_s"], ".1f"), speed, _fmt(r["wall_s"], ".2f"), str(r["tokens"]),
                   _fmt(r["ttft_ms"], ".1f"), _fmt(r["tpot_ms"], ".2f")])
@@ -303,7 +291,8 @@ def format_table(result: dict[str, Any]) -> str:
     s = result["settings"]
     what = (f"context {s['context_len']}, {s['max_tokens']} tokens" +
             ("" if latency else f", {s['num_requests']} concurrent requests") +
-            f", median of {s['repeat']}; {result['machine']['device']}; model {result['model']}")
+            f", median of {s['repeat']}; {result['machine']['device']} ({result['machine']['cpu_threads']} "
+            f"torch threads); model {result['model']}")
     notes = [f"{r['name']}: {r['attention']}" for r in result["variants"] if r["available"]]
     return "\n".join([what, *lines, *notes, *(f"WARNING: {w}" for w in result["warnings"])])
 
@@ -350,6 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed `fdserve bench` command: table on stdout, JSON + PNG on disk."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fdserve never downloads
     from engine.config import ConfigError
 
     from bench.serve import ServerUnreachable, format_serve_table, run_serve
@@ -385,7 +375,6 @@ def result_ok(result: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fdserve never downloads
     parser = argparse.ArgumentParser(prog="fdserve bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

@@ -102,19 +102,45 @@ def run_checks(seed: int) -> list[dict]:
     return rows
 
 
-def graph_time_us(fn, rep: int = 150) -> float:
-    """Median µs of one CUDA-graph replay of `fn`, L2 flushed before each (triton do_bench)."""
-    import triton
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=rep, return_mode="median")
+class Timer:
+    """Median µs of one CUDA-graph replay of `fn`, with L2 made cold before every replay.
+
+    flush="clean": read a 256 MB buffer first, so L2 holds only clean, unrelated lines (as in
+    a real step, where the weights of the previous GEMM sit in L2). flush="dirty": triton's
+    do_bench, which zeroes 256 MB first, so ~50 MB of dirty lines must be written back to HBM
+    while the timed kernel reads: every kernel pays ~10 µs of extra traffic (the anchors in
+    DESIGN.md were measured this way).
+    """
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(256 * 1024**2 // 4, dtype=torch.float32, device="cuda").normal_()
+        self.sink = torch.empty((), dtype=torch.float32, device="cuda")
+
+    def __call__(self, fn, flush: str = "clean", reps: int = 100) -> float:
+        import triton
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        if flush == "dirty":
+            return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps + 5):
+            torch.sum(self.buf, dim=0, out=self.sink)
+            if i >= 5:
+                starts[i - 5].record()
+            graph.replay()
+            if i >= 5:
+                ends[i - 5].record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return 1000 * times[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -131,7 +157,7 @@ def sdpa_backends():
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def time_sdpa(q, k, v) -> tuple[float, str]:
+def time_sdpa(timer, q, k, v, flush) -> tuple[float, str]:
     """Fastest torch SDPA backend that runs GQA decode on contiguous [B, Hkv, L, D] KV."""
     from torch.nn.attention import sdpa_kernel
     best = (float("inf"), "none")
@@ -143,7 +169,7 @@ def time_sdpa(q, k, v) -> tuple[float, str]:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q4, k, v, scale=SCALE, enable_gqa=True)
         try:
-            best = min(best, (graph_time_us(fn), name))
+            best = min(best, (timer(fn, flush), name))
         except RuntimeError:
             continue
     return best
@@ -153,7 +179,9 @@ def kv_bytes(batch: int, length: int) -> int:
     return batch * length * HKV * D * 2 * 2
 
 
-def run_bench(seed: int, copy_bw: float, pages=(16, 64)) -> list[dict]:
+def run_bench(timer, seed: int, copy_bw: float, cfg: DecodeConfig, pages=(16, 64)) -> list[dict]:
+    """Every variant at both page sizes with a clean cold L2; SDPA, flash and fdpp (page 16)
+    also with do_bench's dirty flush, the method of DESIGN.md's anchors."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     for batch in (1, 8, 32):
@@ -161,44 +189,52 @@ def run_bench(seed: int, copy_bw: float, pages=(16, 64)) -> list[dict]:
             q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             kc = torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             vc = torch.randn_like(kc)
-            sdpa_us, sdpa_name = time_sdpa(q, kc, vc)
+            row = {"B": batch, "L": length, "kv_bytes": kv_bytes(batch, length), "copy_bw": copy_bw}
+            for flush in ("clean", "dirty"):
+                row[f"sdpa_{flush}_us"], row["sdpa_backend"] = time_sdpa(timer, q, kc, vc, flush)
             del kc, vc
-            row = {"B": batch, "L": length, "kv_bytes": kv_bytes(batch, length),
-                   "sdpa_us": sdpa_us, "sdpa_backend": sdpa_name}
             for page in pages:
                 k, v, tables, seq_lens = paged_kv([length] * batch, page, gen)
                 ref = reference_fp32(q, k, v, tables, seq_lens)
                 for name, opts in VARIANTS.items():
                     out = torch.empty_like(q)
-                    us = graph_time_us(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
-                                                                out=out, **opts))
-                    row[f"{name}_p{page}_us"] = us
+                    fn = lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE, out=out,  # noqa: E731
+                                                  config=cfg, **opts)
+                    flushes = ("clean", "dirty") if page == 16 and name in ("flash", "fdpp") else ("clean",)
+                    for flush in flushes:
+                        row[f"{name}_p{page}_{flush}_us"] = timer(fn, flush)
+                    if page == 16 and name == "flash":   # the same kernel again: the run's spread
+                        row["flash_p16_clean_repeat_us"] = timer(fn, "clean")
                     row[f"{name}_p{page}_err"] = rel_err(out, ref)   # after hundreds of replays
                 del k, v
                 torch.cuda.empty_cache()
-            row["frac_sdpa"] = row["kv_bytes"] / (sdpa_us * 1e-6) / copy_bw
-            for page in pages:
-                for name in VARIANTS:
-                    row[f"{name}_p{page}_frac"] = row["kv_bytes"] / (row[f"{name}_p{page}_us"] * 1e-6) / copy_bw
+            for key in [k for k in row if k.endswith("_us")]:
+                row[key.replace("_us", "_frac")] = row["kv_bytes"] / (row[key] * 1e-6) / copy_bw
             rows.append(row)
-            print(f"  B={batch} L={length // K}K sdpa {sdpa_us:.1f} ({sdpa_name}) "
-                  + " ".join(f"{n}={row[f'{n}_p16_us']:.1f}" for n in VARIANTS), flush=True)
+            print(f"  B={batch} L={length // K}K sdpa {row['sdpa_clean_us']:.1f} ({row['sdpa_backend']}) "
+                  + " ".join(f"{n}={row[f'{n}_p16_clean_us']:.1f}" for n in VARIANTS), flush=True)
     return rows
 
 
+def pick_config(sweep: list[dict]) -> DecodeConfig:
+    """The sweep config with the lowest geometric-mean flash and fdpp time over the sweep shapes."""
+    scores: dict[str, list[float]] = {}
+    for r in sweep:
+        if "us" in r:
+            scores.setdefault(r["config"], []).append(math.log(r["us"]))
+    best = min(scores, key=lambda c: sum(scores[c]) / len(scores[c]))
+    return next(c for c in sweep_configs() if repr(c) == best)
+
+
 def sweep_configs() -> list[DecodeConfig]:
-    """Prefetch on/off, KV tile, warps and occupancy target: what the defaults were chosen from."""
-    configs = [DecodeConfig(prefetch=False, block_n=128, num_stages=3)]   # Triton's own pipeliner
-    configs += [DecodeConfig(prefetch=True, block_n=bn, num_warps=w, num_stages=1)
-                for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
-    configs += [DecodeConfig(prefetch=True, block_n=64, num_stages=1, ctas_per_sm=c) for c in (3, 4)]
-    configs += [DecodeConfig(prefetch=True, block_n=128, num_warps=8, num_stages=1, ctas_per_sm=c) for c in (1, 3)]
-    return configs
+    """Occupancy target and warps around the 128-token pipelined tile (the earlier sweeps of
+    tile size, stages and register prefetch are in bench/RESULTS.md)."""
+    return [DecodeConfig()] + [DecodeConfig(ctas_per_sm=c) for c in (2, 3, 4)]   # 0 = measured occupancy
 
 
-def run_sweep(seed: int, copy_bw: float) -> list[dict]:
+def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(1, 4 * K), (1, 16 * K), (1, 128 * K), (8, 16 * K), (32, 16 * K), (32, 128 * K)]
+    shapes = [(1, 4 * K), (1, 16 * K), (1, 128 * K), (8, 16 * K), (32, 16 * K)]
     rows = []
     for page in (16,):
         for batch, length in shapes:
@@ -210,8 +246,8 @@ def run_sweep(seed: int, copy_bw: float) -> list[dict]:
                     out = torch.empty_like(q)
                     row = {"page": page, "B": batch, "L": length, "variant": variant, "config": repr(cfg)}
                     try:
-                        us = graph_time_us(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
-                                                                    variant=variant, out=out, config=cfg), rep=60)
+                        us = timer(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
+                                                            variant=variant, out=out, config=cfg), reps=50)
                     except Exception as exc:   # a config that does not compile is data too
                         rows.append({**row, "error": str(exc)[:300]})
                         continue
@@ -247,12 +283,12 @@ def plot(bench: list[dict], path: Path) -> None:
     for ax, batch in zip(axes, (1, 8, 32)):
         rows = [r for r in bench if r["B"] == batch]
         xs = [r["L"] // K for r in rows]
-        ax.plot(xs, [r["sdpa_us"] for r in rows], "k--o", label="torch SDPA (contiguous)")
+        ax.plot(xs, [r["sdpa_clean_us"] for r in rows], "k--o", label="torch SDPA (contiguous)")
         for name, style in (("standard", "s-"), ("flash", "o-"), ("fdpp", "^-"), ("fdpp_phi", "v:")):
-            ax.plot(xs, [r[f"{name}_p16_us"] for r in rows], style, label=f"{name} (block 16)")
-        ax.plot(xs, [r["kv_bytes"] / 4.27e12 * 1e6 for r in rows], "g:", label="copy-bandwidth floor")
+            ax.plot(xs, [r[f"{name}_p16_clean_us"] for r in rows], style, label=f"{name} (block 16)")
+        ax.plot(xs, [r["kv_bytes"] / r["copy_bw"] * 1e6 for r in rows], "g:", label="copy-bandwidth floor")
         ax.set(xscale="log", yscale="log", xlabel="context L (K tokens)", ylabel="µs per layer",
-               title=f"decode attention, B={batch}, Llama-3.1-8B heads, bf16")
+               title=f"B={batch}: 32 q / 8 KV heads, D=128, bf16, clean cold L2")
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -260,17 +296,22 @@ def plot(bench: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def table(bench: list[dict], page: int = 16) -> str:
-    head = (f"| B | L | floor µs | SDPA µs (frac) | standard µs | flash µs (frac) | fdpp µs (frac) "
-            f"| fdpp φ fixed µs | flash/SDPA | flash/fdpp |\n|---|---|---|---|---|---|---|---|---|---|\n")
+def table(bench: list[dict], page: int, flush: str) -> str:
+    head = ("| B | L | floor µs | SDPA µs (frac) | standard µs | flash µs (frac) | fdpp µs (frac) "
+            "| fdpp φ fixed µs | flash/SDPA | flash/fdpp |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in bench:
         p = f"_p{page}"
+        def cell(name, frac=True):
+            key = f"{name}{p}_{flush}_us" if name != "sdpa" else f"sdpa_{flush}_us"
+            if key not in r:
+                return "–"
+            return f"{r[key]:.1f}" + (f" ({r[key.replace('_us', '_frac')]:.2f})" if frac else "")
+        flash, fdpp = r.get(f"flash{p}_{flush}_us"), r.get(f"fdpp{p}_{flush}_us")
         lines.append(
-            f"| {r['B']} | {r['L'] // K}K | {r['kv_bytes'] / r['copy_bw'] * 1e6:.1f} | {r['sdpa_us']:.1f} ({r['frac_sdpa']:.2f}) "
-            f"| {r['standard' + p + '_us']:.1f} | {r['flash' + p + '_us']:.1f} ({r['flash' + p + '_frac']:.2f}) "
-            f"| {r['fdpp' + p + '_us']:.1f} ({r['fdpp' + p + '_frac']:.2f}) | {r['fdpp_phi' + p + '_us']:.1f} "
-            f"| {r['flash' + p + '_us'] / r['sdpa_us']:.2f} | {r['flash' + p + '_us'] / r['fdpp' + p + '_us']:.2f} |")
+            f"| {r['B']} | {r['L'] // K}K | {r['kv_bytes'] / r['copy_bw'] * 1e6:.1f} | {cell('sdpa')} "
+            f"| {cell('standard', False)} | {cell('flash')} | {cell('fdpp')} | {cell('fdpp_phi', False)} "
+            f"| {flash / r[f'sdpa_{flush}_us']:.2f} | {flash / fdpp:.2f} |")
     return head + "\n".join(lines)
 
 
@@ -278,7 +319,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--bench", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also: bench with the sweep's best config")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -286,21 +327,28 @@ def main() -> None:
     import triton
     result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "command": " ".join(sys.argv), "seed": args.seed,
-                       "decode_config": repr(vendor_configs("nvidia").decode)}}
+                       "triton": triton.__version__, "command": " ".join(sys.argv), "seed": args.seed}}
+    timer = Timer()
     copy_bw = copy_bandwidth()
-    result["meta"]["copy_bw"] = copy_bw
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    noop = torch.zeros(1, device="cuda")
+    result["meta"].update(copy_bw=copy_bw, empty_graph_clean_us=timer(lambda: noop.add_(1)),
+                          empty_graph_dirty_us=timer(lambda: noop.add_(1), "dirty"))
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write); one-kernel graph: "
+          f"{result['meta']['empty_graph_clean_us']:.1f} µs clean flush, "
+          f"{result['meta']['empty_graph_dirty_us']:.1f} µs dirty flush", flush=True)
     path = args.out / "kernels.json"
 
     def save():
         path.write_text(json.dumps(result, indent=1))
 
+    cfg = vendor_configs("nvidia").decode
     if args.sweep:
         t0 = time.time()
-        result["sweep"] = run_sweep(args.seed, copy_bw)
+        result["sweep"] = run_sweep(timer, args.seed, copy_bw)
+        cfg = pick_config(result["sweep"])
         save()
-        print(f"sweep done in {time.time() - t0:.0f}s", flush=True)
+        print(f"sweep done in {time.time() - t0:.0f}s; best {cfg}", flush=True)
+    result["meta"]["decode_config"] = repr(cfg)
     if args.check:
         t0 = time.time()
         result["check"] = run_checks(args.seed)
@@ -308,11 +356,14 @@ def main() -> None:
         print(f"checks done in {time.time() - t0:.0f}s", flush=True)
     if args.bench:
         t0 = time.time()
-        result["bench"] = run_bench(args.seed + 1, copy_bw)
-        for row in result["bench"]:
-            row["copy_bw"] = copy_bw
+        result["bench"] = run_bench(timer, args.seed + 1, copy_bw, cfg)
         save()
         plot(result["bench"], args.out / "kernels_latency.png")
+        from kernels.occupancy import _CACHE
+        result["meta"]["resident_ctas_measured"] = sorted({
+            f"{'fdpp' if 'ESTIMATE' in dict(k[4]) else 'flash'} estimate={dict(k[4]).get('ESTIMATE')} "
+            f"page={dict(k[4])['PAGE']}: {v} CTAs/SM" for k, v in _CACHE.items()})
+        save()
         print(f"bench done in {time.time() - t0:.0f}s", flush=True)
     if "sweep" in result:
         print_sweep(result["sweep"])
@@ -328,9 +379,11 @@ def main() -> None:
             print("  FAILED", r)
     if "bench" in result:
         worst = max(r[k] for r in result["bench"] for k in r if k.endswith("_err"))
-        print(f"bench outputs after graph replays: worst rel err {worst:.2e}")
-        for page in (16, 64):
-            print(f"\nblock size {page}:\n" + table(result["bench"], page))
+        spread = max(abs(r["flash_p16_clean_repeat_us"] / r["flash_p16_clean_us"] - 1) for r in result["bench"])
+        print(f"bench outputs after graph replays: worst rel err {worst:.2e}; config {cfg}")
+        print(f"same flash kernel timed twice: largest difference {100 * spread:.1f} %")
+        for page, flush in ((16, "clean"), (64, "clean"), (16, "dirty")):
+            print(f"\nblock size {page}, {flush} L2 flush:\n" + table(result["bench"], page, flush))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import numpy as np
-
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
          "night point home water room mother area money story fact month lot right study book eye job word "
@@ -135,6 +133,9 @@ async def served_model(client: Any) -> str:
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    """q-th percentile in ms (seconds in)."""
+    import numpy as np  # here, not at import: `fdserve --help` imports this module
+
     return float(np.percentile(values, q)) * 1e3 if values else None
 
 
@@ -150,7 +151,7 @@ def summarise_level(concurrency: int, records: list[RequestRecord], wall_s: floa
         "first_error": errors[0] if errors else None, "wall_s": wall_s,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else 0.0, "request_s": len(ok) / wall_s,
         "output_tokens": out_tokens,
-        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
         "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
         "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),

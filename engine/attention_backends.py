@@ -93,6 +93,11 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
     on_gpu = device.type == "cuda"
     if on_gpu != (vendor in ("nvidia", "amd")):
         raise ValueError(f"gpu_vendor {vendor!r} does not match the device {device}")
+    # --- FFD (issue 5): kernel = "ffd" | "auto" is built by engine/ffd_backend.py ---
+    if fd.enable and fd.kernel in ("ffd", "auto"):
+        from engine.ffd_backend import make_ffd_backend
+        return make_ffd_backend(fd, device, vendor)  # type: ignore[return-value]
+    # --- end FFD ---
     variant = _decode_variant(fd)
     num_splits = int(getattr(fd, "num_splits", 0) or 0)
     fallback = bool(fd.fallback_on_overflow)

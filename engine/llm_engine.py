@@ -65,6 +65,13 @@ class LLMEngine:
         self.backend = self._make_backend()
         self.model = load_model(self.model_dir, self.dtype, self.device)
         block_size = config.backend.block_size
+        # --- FFD (issue 5): a KV page is one quantization block (ffd_block_size) ---
+        if getattr(self.backend, "page_size", None) and self.backend.page_size != block_size:
+            logger.info("kernel = %r: KV pages of ffd_block_size = %d tokens (backend.block_size = %d "
+                        "applies to the dense kernels)", config.flashdecoding.kernel, self.backend.page_size,
+                        block_size)
+            block_size = self.backend.page_size
+        # --- end FFD ---
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)

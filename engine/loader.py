@@ -104,6 +104,9 @@ def resolve_model_dir(name: str | None) -> Path:
     """
     if not name or name in EMBEDDED_DEFAULT_ALIASES:
         return convert_gguf(embedded_default_gguf())
+    if name.startswith("synthetic:"):  # random weights of a real shape, for benchmarks
+        from engine.synthetic import synthetic_model_dir
+        return synthetic_model_dir(name)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
@@ -299,7 +302,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.
     from transformers import AutoConfig
 
     from engine.models import get_model_class
+    from engine.synthetic import build_synthetic_model, synthetic_marker
 
+    if synthetic_marker(model_dir) is not None:
+        return build_synthetic_model(model_dir, dtype, device)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     model_cls = get_model_class(hf_config)
     start = time.perf_counter()

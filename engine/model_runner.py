@@ -55,7 +55,13 @@ class ModelRunner:
         self.num_blocks = 0
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
-        return max(0, budget_bytes // self.spec.bytes_per_block)
+        per_block = self.spec.bytes_per_block
+        # --- FFD (issue 5): the quantized keys of a page are sized with it ---
+        if hasattr(self.backend, "extra_bytes_per_block"):
+            per_block += self.backend.extra_bytes_per_block(self.spec.num_layers, self.spec.num_kv_heads,
+                                                            self.spec.head_dim)
+        # --- end FFD ---
+        return max(0, budget_bytes // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.spec
@@ -65,6 +71,10 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self.num_blocks = num_blocks
+        # --- FFD (issue 5): quantized keys beside the KV cache, indexed by the same page ids ---
+        if hasattr(self.backend, "allocate_cache"):
+            self.backend.allocate_cache(self.kv_cache)
+        # --- end FFD ---
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:

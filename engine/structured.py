@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
-_tokenizer_cache: dict[int, Any] = {}
+# Per HF tokenizer object (weakly held: a new tokenizer may reuse a dead one's id) and settings.
+_tokenizer_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizer_lock = threading.Lock()
 
 
@@ -27,12 +29,12 @@ class GrammarError(ValueError):
 def _ll_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> Any:
     import llguidance.hf
 
-    key = id(hf_tokenizer)
+    key = (vocab_size, tuple(sorted(eos_token_ids)))
     with _tokenizer_lock:
-        if key not in _tokenizer_cache:  # ~1 s for a 150k vocabulary: once per tokenizer
-            _tokenizer_cache[key] = llguidance.hf.from_tokenizer(
-                hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
-        return _tokenizer_cache[key]
+        built = _tokenizer_cache.setdefault(hf_tokenizer, {})
+        if key not in built:  # ~1 s for a 150k vocabulary: once per tokenizer
+            built[key] = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(key[1]))
+        return built[key]
 
 
 def json_schema_grammar(schema: dict[str, Any] | None) -> str:

@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels.flash_decoding import (LOG2E, attend, check_shapes, load_q_rows, resolve_splits,
                                     rows_per_tile, split_plan, store_rows)
 from kernels.reference import safe_window
-from kernels.vendor import DecodeConfig, configs_for, interpreting
+from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     cfg = config or configs_for(q.device).decode
-    max_splits = resolve_splits(num_splits, batch, num_kv_heads, q.device, cfg)
+    check_launch_options(cfg.extra, q.device)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -171,13 +171,20 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lo_win, hi_win = safe_window(v_cache.dtype)
     group = num_heads // num_kv_heads
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
-    _fdpp_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, ws_acc, ws_l, ws_m, ws_count, stats,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        0.0 if phi is None else float(phi) * LOG2E, lo_win, hi_win, max_splits, min_chunk,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
-        D=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink, EST_N=est_n,
-        FALLBACK=bool(fallback), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+    consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
+                  D=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink,
+                  EST_N=est_n, FALLBACK=bool(fallback))
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+
+    def args(max_splits):
+        return (q, k_cache, v_cache, block_tables, seq_lens, out, ws_acc, ws_l, ws_m, ws_count, stats,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+                0.0 if phi is None else float(phi) * LOG2E, lo_win, hi_win, max_splits, min_chunk)
+
+    max_splits = resolve_splits(num_splits, batch, num_kv_heads, q.device, cfg, _fdpp_kernel,
+                                (q.dtype, k_cache.dtype, tuple(consts.items()), tuple(launch.items())),
+                                args(2), {**consts, **launch})
+    _fdpp_kernel[(batch, num_kv_heads, max_splits)](*args(max_splits), **consts, **launch)
     return out

@@ -12,14 +12,17 @@ one split: every sequence is one pass, normalised in the epilogue, and no merge 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.vendor import DecodeConfig, configs_for, interpreting, num_compute_units
+from kernels.occupancy import resident_ctas
+from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 128   # the merge holds all of a row's partials in registers
 
 
 # ----- device helpers shared with kernels/fdpp.py ---------------------------------------------
@@ -195,49 +198,45 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
 
 @triton.jit
 def _merge_kernel(SEQ, OUT, P_ACC, P_ML, stride_ob, stride_oh, max_splits, min_chunk,
-                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Exact log-sum-exp merge of a sequence's split partials, in split order (deterministic)."""
+                  NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS_POW2: tl.constexpr):
+    """Exact log-sum-exp merge of one query row's split partials.
+
+    All splits are loaded at once and reduced in registers (a fixed-order tree, so the result
+    is deterministic): a loop over splits would chain one L2 round trip per split.
+    """
     b = tl.program_id(0)
-    hk = tl.program_id(1)
+    h = tl.program_id(1)
     L = tl.load(SEQ + b)
     _, num_splits = split_plan(L, max_splits, min_chunk, BLOCK_N)
     if num_splits > 1:
-        rows = tl.arange(0, BLOCK_H)
-        row_ok = rows < GROUP
-        base = (b.to(tl.int64) * NUM_HEADS + hk * GROUP + rows) * max_splits
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for split in range(0, num_splits):
-            part = base + split
-            m_s = tl.load(P_ML + part * 2, mask=row_ok, other=0.0)
-            l_s = tl.load(P_ML + part * 2 + 1, mask=row_ok, other=0.0)
-            acc_s = tl.load(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :],
-                            mask=row_ok[:, None], other=0.0)
-            m_new = tl.maximum(m, m_s)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(m_s - m_new)
-            l = l * alpha + l_s * w
-            acc = acc * alpha[:, None] + acc_s * w[:, None]
-            m = m_new
-        store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
-                   GROUP, BLOCK_H, D)
+        split = tl.arange(0, SPLITS_POW2)
+        ok = split < num_splits
+        part = (b.to(tl.int64) * NUM_HEADS + h) * max_splits + split
+        m = tl.load(P_ML + part * 2, mask=ok, other=float("-inf"))
+        l = tl.load(P_ML + part * 2 + 1, mask=ok, other=0.0)
+        acc = tl.load(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        ptr = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + tl.arange(0, D)
+        tl.store(ptr, out.to(OUT.dtype.element_ty))
 
 
 # ----- host side -------------------------------------------------------------------------------
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_cus: int, cfg: DecodeConfig) -> int:
-    """FA2's wave-efficiency rule: the fewest splits within 85 % of the best wave efficiency.
+def choose_num_splits(batch: int, num_kv_heads: int, num_cus: int, ctas_per_sm: int,
+                      max_splits: int = 64) -> int:
+    """FA2's wave-efficiency rule: the fewest splits within 85 % of the best wave efficiency,
+    for `num_cus * ctas_per_sm` resident CTAs.
 
     Depends only on the batch size and the GPU, so a CUDA graph captured per batch size keeps
     it; each sequence then uses only as many splits as its length needs (`split_plan`).
     """
-    target = num_cus * cfg.ctas_per_sm
+    target = num_cus * ctas_per_sm
     work = batch * num_kv_heads
     if work >= 0.8 * target:
         return 1
-    effs = [(work * s / target) / math.ceil(work * s / target) for s in range(1, cfg.max_splits + 1)]
+    effs = [(work * s / target) / math.ceil(work * s / target) for s in range(1, max_splits + 1)]
     best = max(effs)
     return next(s for s, eff in enumerate(effs, 1) if eff >= 0.85 * best)
 
@@ -267,10 +266,17 @@ def rows_per_tile(group: int) -> int:
 
 
 def resolve_splits(num_splits: int | None, batch: int, num_kv_heads: int, device: torch.device,
-                   cfg: DecodeConfig) -> int:
+                   cfg: DecodeConfig, kernel: Any, key: tuple, args: tuple, kwargs: dict[str, Any]) -> int:
+    """Forced `num_splits`, or the wave heuristic for the kernel's resident CTAs per SM
+    (`cfg.ctas_per_sm`, or 0: measured from the compiled kernel; 2 in the interpreter)."""
     if num_splits:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
         return int(num_splits)
-    return choose_num_splits(batch, num_kv_heads, num_compute_units(device), cfg)
+    ctas = cfg.ctas_per_sm
+    if not ctas:
+        ctas = 2 if device.type != "cuda" else resident_ctas(kernel, key, args, kwargs, device)
+    return choose_num_splits(batch, num_kv_heads, num_compute_units(device), ctas, cfg.max_splits)
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -280,29 +286,38 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Flash-Decoding; `num_splits` = 1 is the standard single pass (no merge launch)."""
     batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     cfg = config or configs_for(q.device).decode
-    max_splits = resolve_splits(num_splits, batch, num_kv_heads, q.device, cfg)
+    check_launch_options(cfg.extra, q.device)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
+    consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim,
+                  PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                  PREFETCH=cfg.prefetch, UPCAST=interpreting())
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+
+    def args(p_acc, p_ml, max_splits):
+        return (q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, max_splits, min_chunk)
+
+    probe = torch.empty(1, dtype=torch.float32, device=q.device)
+    max_splits = 1 if num_splits == 1 else resolve_splits(
+        num_splits, batch, num_kv_heads, q.device, cfg, _split_kernel,
+        (q.dtype, k_cache.dtype, tuple(consts.items()), tuple(launch.items())),
+        args(probe, probe, 2), {**consts, **launch})
     if max_splits > 1:
         p_acc = torch.empty(batch * num_heads * max_splits * head_dim, dtype=torch.float32, device=q.device)
         p_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=q.device)
     else:
         p_acc = p_ml = out   # never touched: every sequence takes the one-split epilogue
-    common = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim)
-    _split_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, max_splits, min_chunk,
-        PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch,
-        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **common, **cfg.extra)
+    _split_kernel[(batch, num_kv_heads, max_splits)](*args(p_acc, p_ml, max_splits), **consts, **launch)
     if max_splits > 1:
-        _merge_kernel[(batch, num_kv_heads)](
+        _merge_kernel[(batch, num_heads)](
             seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1), max_splits, min_chunk,
-            BLOCK_N=cfg.block_n, num_warps=cfg.merge_warps, **common, **cfg.extra)
+            NUM_HEADS=num_heads, D=head_dim, BLOCK_N=cfg.block_n,
+            SPLITS_POW2=triton.next_power_of_2(max_splits), num_warps=cfg.merge_warps, **cfg.extra)
     return out
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.flash_decoding import LOG2E, load_kv_tile
-from kernels.vendor import PrefillConfig, configs_for, interpreting
+from kernels.vendor import PrefillConfig, check_launch_options, configs_for, interpreting
 
 
 @triton.jit
@@ -81,6 +81,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     cfg = config or configs_for(q.device).prefill
+    check_launch_options(cfg.extra, q.device)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_query_len)))
     block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n, 32)   # D=256: keep tiles in smem
     grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)

@@ -46,11 +46,13 @@ def interpreting() -> bool:
 class DecodeConfig:
     """Launch shape of the paged decode kernels (standard, flash and fdpp share it)."""
 
-    block_n: int = 64          # KV tokens per tile
+    # Defaults from the H200 sweep in bench/RESULTS.md: 128-token tiles with Triton's pipeliner
+    # beat 32/64-token tiles and the manual register prefetch at every batch size.
+    block_n: int = 128         # KV tokens per tile
     num_warps: int = 4
     num_stages: int = 3        # Triton software-pipeline depth of the KV loop
-    prefetch: bool = True      # load tile i+1 (and page ids of i+2) while computing tile i
-    ctas_per_sm: int = 2       # occupancy the split heuristic aims to fill
+    prefetch: bool = False     # load tile i+1 (and page ids of i+2) in registers during tile i
+    ctas_per_sm: int = 0       # CTAs per SM the split heuristic fills; 0 = the compiled kernel's occupancy
     min_chunk: int = 256       # fewest KV tokens a split is given (bounds partial traffic)
     max_splits: int = 64       # cap on splits per sequence
     merge_warps: int = 4
@@ -83,12 +85,19 @@ _CONFIGS = {
     # CDNA: 64 KB LDS per CU, so one pipeline stage and narrower KV tiles; MFMA 16x16 instructions.
     "amd": VendorConfigs(
         "amd",
-        DecodeConfig(block_n=32, num_warps=4, num_stages=1, ctas_per_sm=2, extra=_amd_extra(1)),
+        # num_stages=1 leaves no Triton pipelining, so prefetch in registers (not measured on AMD).
+        DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=True, ctas_per_sm=2, extra=_amd_extra(1)),
         PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, extra=_amd_extra(2)),
     ),
     # The interpreter runs on the CPU: tiles as on NVIDIA, no pipelining to model.
-    "cpu": VendorConfigs("cpu", DecodeConfig(num_stages=1), PrefillConfig(block_m=16, block_n=32, num_stages=1)),
+    "cpu": VendorConfigs("cpu", DecodeConfig(block_n=64, num_stages=1), PrefillConfig(block_m=16, block_n=32, num_stages=1)),
 }
+
+
+def check_launch_options(cfg_extra: dict[str, int], device: torch.device) -> None:
+    """AMD-only launch options on an NVIDIA GPU are a caller error, not something to drop."""
+    if cfg_extra and device.type == "cuda" and detect_vendor() != "amd":
+        raise ValueError(f"launch options {sorted(cfg_extra)} are for AMD GPUs; this GPU is {detect_vendor()}")
 
 
 def vendor_configs(vendor: str) -> VendorConfigs:

@@ -21,12 +21,13 @@ from server.generation import Generation
 from server.logprobs import TokenTexts, chat_logprobs
 from server.prompts import encode_prompt, render_chat
 from server.protocol import ChatCompletionRequest
+from server.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.sampling import build_params, max_tokens_for
 from server.state import ServerState
-from server.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.streaming import DONE, sse, sse_error
 from server.tool_parser import ToolCallParser
 from server.tools import ToolPlan, plan_tools, template_info
+
 
 def _top_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.logprobs:

@@ -113,16 +113,15 @@ def render_curl(s: ClientSettings) -> str:
 
 def render_openai(s: ClientSettings) -> str:
     return textwrap.dedent(f"""\
-        # openai Python SDK (`pip install openai`); the same two values work for any OpenAI SDK
-        export OPENAI_BASE_URL={s.base_url}
-        export OPENAI_API_KEY={s.api_key}
-
+        # openai Python SDK (`pip install openai`). Any OpenAI SDK reads the same two settings from
+        # the environment: OPENAI_BASE_URL={s.base_url} OPENAI_API_KEY={s.api_key}
         from openai import OpenAI
+
         client = OpenAI(base_url="{s.base_url}", api_key="{s.api_key}")
         stream = client.chat.completions.create(
             model="{s.model}",
             messages=[{{"role": "user", "content": "Hello!"}}],
-            max_tokens=256,  # the server allows up to {s.max_tokens}; context window {s.context_window} tokens
+            max_tokens=256,  # up to {s.max_tokens}; the context window is {s.context_window} tokens
             stream=True,
             stream_options={{"include_usage": True}},
         )
@@ -152,19 +151,19 @@ def render_cline(s: ClientSettings) -> str:
 
 
 def render_cc_switch(s: ClientSettings) -> str:
-    env = {"ANTHROPIC_BASE_URL": s.base_url, "ANTHROPIC_AUTH_TOKEN": s.api_key,
-           "ANTHROPIC_MODEL": s.model, "ANTHROPIC_SMALL_FAST_MODEL": s.model,
-           "ANTHROPIC_DEFAULT_HAIKU_MODEL": s.model, "ANTHROPIC_DEFAULT_SONNET_MODEL": s.model,
-           "ANTHROPIC_DEFAULT_OPUS_MODEL": s.model, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(s.max_tokens)}
+    provider = {"name": "fdserve", "apiFormat": "OpenAI Chat Completions", "baseUrl": s.base_url,
+                "apiKey": s.api_key, "model": s.model, "haikuModel": s.model, "sonnetModel": s.model,
+                "opusModel": s.model, "contextWindow": s.context_window, "maxOutputTokens": s.max_tokens}
     return textwrap.dedent(f"""\
-        # CC Switch: add a Claude Code provider with API format "OpenAI Chat Completions" and turn
-        # its local proxy on, so Claude Code's Anthropic calls are translated to chat completions.
-        Base URL:          {s.base_url}
-        API Key:           {s.api_key}
-        Model (all tiers): {s.model}
-        Context window:    {s.context_window} tokens; max output {s.max_tokens}
-        # the provider's Claude Code settings, as an "env" block:
-        """) + json.dumps({"env": env}, indent=2) + "\n"
+        # CC Switch: Claude Code talks to CC Switch's local proxy, which turns its Anthropic calls
+        # into chat completions for this server. Add a Claude provider (custom) with:
+        API format:      OpenAI Chat Completions
+        Base URL:        {s.base_url}
+        API Key:         {s.api_key}
+        Model:           {s.model}  (also for the Haiku / Sonnet / Opus slots)
+        Context window:  {s.context_window} tokens, max output {s.max_tokens}
+        # then switch to it with the proxy enabled. The same values, for scripting:
+        """) + json.dumps(provider, indent=2) + "\n"
 
 
 RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch}

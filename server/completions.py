@@ -17,9 +17,9 @@ from server.errors import APIError, bad_request
 from server.generation import Generation
 from server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.protocol import CompletionRequest
+from server.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.sampling import build_params, max_tokens_for
 from server.state import ServerState
-from server.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.streaming import DONE, sse, sse_error
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint

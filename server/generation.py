@@ -1,9 +1,10 @@
 """One API request's run through the engine: start, outputs, abort, timing, the request log line.
 
-`start()` waits for each prompt's first output before any response is sent: the engine raises
-its validation errors (context length, overload, bad parameters) before yielding, so they
-become real HTTP 4xx/503 answers instead of errors inside an already-open stream. A batch of
-prompts (legacy completions) runs as one engine request per prompt, merged as they come.
+`start()` waits for each prompt's first output before any response is sent (streams: for a
+short grace period): the engine raises its refusals (context length, overload, bad parameters)
+before yielding, so they become real HTTP 4xx/503 answers instead of errors inside an
+already-open stream. A batch of prompts (legacy completions) runs as one engine request per
+prompt, merged as they come.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class Generation:
         stream opened; the engine refuses requests at once, not after queueing them."""
         self.metrics.in_flight.inc()
         try:
-            for request_id, prompt in zip(self._ids, self.prompts):
+            for request_id, prompt in zip(self._ids, self.prompts, strict=True):
                 stream = self.engine.generate(request_id, prompt, self.params)
                 self._streams.append(stream)
                 self._first.append(asyncio.ensure_future(stream.__anext__()))

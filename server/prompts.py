@@ -7,7 +7,6 @@ from server.errors import bad_request
 from server.protocol import ChatMessage
 from server.tools import ToolPlan, fallback_messages, template_info
 
-
 _RESERVED_TEMPLATE_ARGS = {"messages", "conversation", "tools", "add_generation_prompt", "tokenize",
                            "chat_template", "return_dict", "documents"}
 

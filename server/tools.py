@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +44,15 @@ class TemplateInfo:
         return TemplateInfo(supports, HERMES)
 
 
-_template_info: dict[int, TemplateInfo] = {}
+_template_info: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per tokenizer object
 _template_lock = threading.Lock()
 
 
 def template_info(tokenizer: Any) -> TemplateInfo:
     with _template_lock:
-        info = _template_info.get(id(tokenizer))
+        info = _template_info.get(tokenizer)
         if info is None:
-            info = _template_info[id(tokenizer)] = TemplateInfo.detect(tokenizer)
+            info = _template_info[tokenizer] = TemplateInfo.detect(tokenizer)
         return info
 
 

@@ -39,23 +39,39 @@ def by_name(result):
     return {row["name"]: row for row in result["variants"]}
 
 
-def test_latency_reports_each_variant_side_by_side(model_dir, empty_config, tmp_path, capsys):
+def test_latency_reports_each_variant_side_by_side(model_dir, empty_config, tmp_path, capsys, monkeypatch):
+    import weakref
+
+    import bench.e2e
+
+    built = []
+    original_build = bench.e2e.build_llm
+
+    def build_llm(config, variant):
+        llm = original_build(config, variant)
+        built.append(weakref.ref(llm.engine.model))
+        return llm
+
+    monkeypatch.setattr(bench.e2e, "build_llm", build_llm)
     out = tmp_path / "lat.json"
     rc = main(["latency", "--model", str(model_dir), "--config", empty_config, "--set", SMALL_KV,
-               "--variants", "standard,flash", "--context-len", "40", "--max-tokens", "16", "--repeat", "1",
+               "--variants", "standard,flash", "--context-len", "40", "--max-tokens", "16", "--repeat", "2",
                "--out", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     rows = by_name(result)
     assert result["mode"] == "latency" and result["warnings"] == [] and list(rows) == ["standard", "flash"]
     for row in rows.values():
-        assert row["available"] and row["tokens"] == 16
+        assert row["available"] and row["tokens"] == 16 and len(row["runs"]) == 2
+        assert row["prefix_cache_hits"] == 0  # every round (warm-up included) has its own prompt
         assert 0 < row["ttft_ms"] < row["total_ms"] and row["tpot_ms"] > 0
         # (total - TTFT) / (tokens - 1), in ms
         assert row["tpot_ms"] == pytest.approx((row["total_ms"] - row["ttft_ms"]) / 15, rel=1e-6)
     assert "standard attention" in rows["standard"]["attention"] and "split-KV" in rows["flash"]["attention"]
     assert rows["standard"]["speedup_vs_standard"] == 1.0
     assert rows["flash"]["speedup_vs_standard"] == pytest.approx(rows["standard"]["tpot_ms"] / rows["flash"]["tpot_ms"])
+    # Each variant's model is gone before the next one is built (on a GPU, its KV cache too).
+    assert len(built) == 2 and all(ref() is None for ref in built)
     table = capsys.readouterr().out
     assert "| standard |" in table and "| flash |" in table
     assert_png(out.with_suffix(".png"))
@@ -182,3 +198,20 @@ def _greedy(max_tokens: int):
     from engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_cli_registration_parses_each_mode():
+    """What server/cli.py does: `add_arguments` on the `bench` subparser, then `run(args)`."""
+    import argparse
+
+    from bench.e2e import add_arguments
+
+    parser = argparse.ArgumentParser(prog="fdserve")
+    add_arguments(parser.add_subparsers(dest="command").add_parser("bench"))
+    args = parser.parse_args(["bench", "serve", "--concurrency", "1,4"])
+    assert (args.command, args.mode, args.concurrency, args.url) == ("bench", "serve", [1, 4],
+                                                                     "http://127.0.0.1:8000/v1")
+    args = parser.parse_args(["bench", "latency", "--variants", "standard,fdpp,ffd"])
+    assert args.variants == ["standard", "fdpp", "ffd"] and args.max_tokens >= 16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "latency", "--variants", "standard,turbo"])

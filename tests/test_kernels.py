@@ -15,6 +15,8 @@ from kernels.reference import split_plan
 from kernels.vendor import DecodeConfig, vendor_configs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 is exact in the interpreter; on a GPU tl.dot runs float32 as tf32 (~1e-3 relative).
+TOL32 = 1e-5 if DEVICE == "cpu" else 5e-3
 # Interpreter-sized tiles: 32-token KV tiles and 64-token minimum splits so that a few hundred
 # tokens already give several splits, a partial last tile and a page-boundary split edge.
 SMALL = DecodeConfig(block_n=32, min_chunk=64, num_stages=1)
@@ -68,7 +70,7 @@ def test_decode_matches_reference(variant, case):
     exact = decode_reference(q, k, v, tables, seq_lens, scale=scale, variant="standard")
     same_algo = decode_reference(q, k, v, tables, seq_lens, scale=scale, variant=variant, num_splits=4,
                                  **({} if variant == "standard" else REF_SPLIT))
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = TOL32 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, exact) < tol
     assert rel_err(same_algo, exact) < tol
@@ -77,13 +79,13 @@ def test_decode_matches_reference(variant, case):
 
 
 @pytest.mark.parametrize("variant", ["flash", "fdpp"])
-def test_decode_without_prefetch(variant):
-    """The loop that leaves prefetching to Triton's pipeliner computes the same thing."""
+def test_decode_with_register_prefetch(variant):
+    """The loop that prefetches the next tile in registers computes the same thing."""
     q, k, v, tables, seq_lens = paged_batch([130, 64, 3], 8, 2, 64, 16, torch.float32, seed=17)
     out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant=variant, num_splits=3,
-                           config=DecodeConfig(block_n=32, min_chunk=64, num_stages=1, prefetch=False))
+                           config=DecodeConfig(block_n=32, min_chunk=64, num_stages=1, prefetch=True))
     ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < TOL32
 
 
 def test_split_plan_covers_every_token_once():
@@ -95,10 +97,10 @@ def test_split_plan_covers_every_token_once():
 
 
 def test_wave_heuristic_fills_the_gpu_at_batch_one():
-    cfg = DecodeConfig()
-    assert choose_num_splits(1, 8, 132, cfg) == 29        # 232 CTAs on 132 SMs x 2
-    assert choose_num_splits(8, 8, 132, cfg) == 4
-    assert choose_num_splits(32, 8, 132, cfg) == 1         # the batch alone fills the GPU
+    assert choose_num_splits(1, 8, 132, ctas_per_sm=2) == 29     # 232 CTAs on 132 SMs x 2
+    assert choose_num_splits(1, 8, 132, ctas_per_sm=3) == 42     # 336 CTAs on 132 SMs x 3
+    assert choose_num_splits(8, 8, 132, ctas_per_sm=2) == 4
+    assert choose_num_splits(32, 8, 132, ctas_per_sm=2) == 1      # the batch alone fills the GPU
 
 
 def test_fdpp_workspace_is_left_zeroed_between_launches():
@@ -108,7 +110,7 @@ def test_fdpp_workspace_is_left_zeroed_between_launches():
         out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant="fdpp", num_splits=4,
                                config=SMALL, phi=1.0)
         ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
-        assert rel_err(out, ref) < 1e-5
+        assert rel_err(out, ref) < TOL32
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the interpreter's numpy sees the overflow
@@ -124,7 +126,7 @@ def test_fdpp_forced_phi_out_of_window(fallback):
     assert int(stats[0]) == int(ref_stats[0]) == 3 * 8
     if fallback:
         ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
-        assert rel_err(out, ref) < 1e-5
+        assert rel_err(out, ref) < TOL32
 
 
 @pytest.mark.parametrize("fallback", [True, False])
@@ -142,22 +144,24 @@ def test_fdpp_estimated_phi_spike_is_caught(fallback):
     assert int(stats[0]) == int(ref_stats[0]) == 1
     ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
     if fallback:
-        assert rel_err(out, ref) < 1e-5
+        assert rel_err(out, ref) < TOL32
     else:   # the other rows are untouched by the bad one
-        assert rel_err(out[1], ref[1]) < 1e-5
+        assert rel_err(out[1], ref[1]) < TOL32
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and not torch.version.hip,
+                    reason="AMD launch options run on AMD GPUs or in the interpreter")
 def test_amd_configs_run():
     amd = vendor_configs("amd")
     q, k, v, tables, seq_lens = paged_batch([70, 33], 4, 1, 64, 16, seed=7)
     out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant="flash", num_splits=2,
                            config=amd.decode)
     ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < TOL32
     qp = torch.randn(20, 4, 64).to(q)
     qsl = torch.tensor([0, 12, 20], dtype=torch.int32, device=q.device)
     out = prefill_attention(qp, k, v, tables, seq_lens, qsl, scale=0.125, config=amd.prefill)
-    assert rel_err(out, prefill_attention_ref(qp, k, v, tables, seq_lens, qsl, scale=0.125)) < 1e-5
+    assert rel_err(out, prefill_attention_ref(qp, k, v, tables, seq_lens, qsl, scale=0.125)) < TOL32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,7 +186,7 @@ def test_prefill_chunks_and_prefix_hits(dtype):
     q = torch.randn(sum(q_lens), 8, 64).to(k)
     out = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125)
     ref = prefill_attention_ref(q, k, v, tables, seq_lens, qsl, scale=0.125)
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(out, ref) < (TOL32 if dtype == torch.float32 else 1e-2)
 
 
 def test_vendor_checks():

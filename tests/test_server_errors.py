@@ -75,7 +75,8 @@ def assert_error_shape(body, code=None, param=None):
 def test_bad_field_is_400_naming_it(server, fields, param):
     body = {"model": MODEL, "messages": MESSAGES, **fields}
     for stream in (False, True):
-        response = httpx.post(server.base_url + "/chat/completions", json={**body, "stream": body.get("stream", stream)})
+        response = httpx.post(server.base_url + "/chat/completions",
+                              json={**body, "stream": body.get("stream", stream)})
         assert response.status_code == 400, response.text
         assert_error_shape(response.json(), param=param)
 
@@ -253,3 +254,14 @@ def test_load_failure_is_reported(tmp_path):
         assert wait_until(lambda: app.state.fdserve.phase == "failed")
         response = httpx.get(live.root + "/health")
         assert response.status_code == 503 and response.json()["status"] == "failed"
+
+
+def test_chunked_body_over_limit_is_413(server):
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 1024
+
+    response = httpx.post(server.base_url + "/chat/completions", content=chunks(),
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert_error_shape(response.json(), code="request_too_large")

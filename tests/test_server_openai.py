@@ -7,8 +7,7 @@ import pytest
 
 from engine import AsyncEngine
 from server.app import build_app
-from tests.server_harness import (TOOLS_TEMPLATE, LiveServer, logits_processor_hook, metric, tiny_config,
-                                  wait_until)
+from tests.server_harness import TOOLS_TEMPLATE, LiveServer, logits_processor_hook, metric, tiny_config, wait_until
 from tests.tiny_models import make_tiny_model
 
 MODEL = "tiny"
@@ -243,3 +242,14 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert wait_until(lambda: metric(server.root, "fdserve_kv_blocks_free") == total
                       and metric(server.root, "fdserve_num_requests_running") == 0)
     assert wait_until(lambda: metric(server.root, "fdserve_requests_total", '{route="chat",status="499"}') >= 1)
+
+
+def test_disconnect_during_a_non_streaming_request_aborts_it(server):
+    total = metric(server.root, "fdserve_kv_blocks_total")
+    before = metric(server.root, "fdserve_requests_total", '{route="chat",status="499"}')
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/chat/completions", json=body, timeout=0.3)
+    assert wait_until(lambda: metric(server.root, "fdserve_requests_total", '{route="chat",status="499"}')
+                      == before + 1)
+    assert wait_until(lambda: metric(server.root, "fdserve_kv_blocks_free") == total)

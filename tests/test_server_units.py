@@ -107,8 +107,8 @@ def test_plan_tools_validates_choice():
     base = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
     assert plan_tools(ChatCompletionRequest(**base), info).mode == "auto"
     assert plan_tools(ChatCompletionRequest(**base, tool_choice="none"), info).tools is None
-    named = plan_tools(ChatCompletionRequest(**base, tool_choice={"type": "function", "function": {"name": "get_time"}}),
-                       info)
+    forced = {"type": "function", "function": {"name": "get_time"}}
+    named = plan_tools(ChatCompletionRequest(**base, tool_choice=forced), info)
     assert named.mode == "named" and named.named == "get_time"
     for bad in ({"type": "function", "function": {"name": "nope"}}, ):
         with pytest.raises(APIError) as err:
@@ -120,8 +120,8 @@ def test_plan_tools_validates_choice():
 
 def test_fallback_messages_put_tools_in_the_system_prompt():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     out = fallback_messages(messages, TOOLS)
     assert out[0]["content"].startswith("Be brief.") and "<tools>" in out[0]["content"]
@@ -191,3 +191,24 @@ def test_client_config_uses_the_model_folder_context(tmp_path):
     embedded = client_settings(load_config(None, overrides={"api.api_key": "secret"}))
     assert embedded.context_window == 8192 and embedded.model == "SmolLM2-135M-Instruct"
     assert "secret" not in RENDERERS["openai"](embedded)
+
+
+class _StubTokenizer:
+    def __init__(self, render):
+        self.render = render
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        return self.render(messages, tools)
+
+
+def test_template_info_detects_tool_support_and_style():
+    def llama3(messages, tools):
+        head = "<|start_header_id|>user<|end_header_id|>\n\n"
+        return head + (json.dumps(tools) if tools else "") + messages[0]["content"]
+
+    def hermes(messages, tools):
+        return ("<tools>" + json.dumps(tools) + "</tools> reply with <tool_call>" if tools else "") + "x"
+
+    assert TemplateInfo.detect(_StubTokenizer(llama3)) == TemplateInfo(True, LLAMA3_JSON)
+    assert TemplateInfo.detect(_StubTokenizer(hermes)) == TemplateInfo(True, HERMES)
+    assert TemplateInfo.detect(_StubTokenizer(lambda m, t: "same")) == TemplateInfo(False, HERMES)

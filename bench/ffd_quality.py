@@ -1,0 +1,280 @@
+"""FFD quality on the embedded default model (SmolLM2-135M-Instruct, real weights) on the CPU.
+
+    python bench/ffd_quality.py --contexts 2048 4096 8192 --deltas 3 5 7 --out bench/results
+
+Text: the GnuTLS release notes shipped with the system (/usr/share/doc/libgnutls30/NEWS.gz, English
+prose, offline). δ in natural-log units; block 128, sinks 4, local window 128 (config defaults).
+Everything runs in float32 with the torch rule of `kernels/ffd_reference.py`, which is what
+`kernel = "ffd"` runs on the CPU and what the Triton kernel computes on the GPU.
+
+1. attention analysis: per layer, on the dense model's own q/k/v at `--probes` query positions of
+   the last `--window` tokens: block sparsity, recall of the "top" blocks (the fewest full blocks
+   holding 95 % of the exact attention mass that falls in full blocks, per query head), dropped
+   mass (exact softmax mass of pruned tokens), relative L2 error of the layer's attention output.
+2. teacher-forced next token: the text runs through the model once densely and once with the FFD
+   rule on every query (the rule is per query, so position p gets exactly what a decode step at
+   p computes after the same tokens); on the last `--window` positions: argmax agreement and mean
+   KL(dense || FFD) of the next-token distributions.
+3. free-running greedy generation (`--generate N`): prompt = the text minus its last N tokens,
+   dense vs FFD through the engine: position-wise token agreement and the common-prefix length.
+4. passkey (`--passkey`): "The pass key is NNNNN" hidden at 10/50/90 % depth of a filler of the
+   same text; dense vs FFD greedy answers, found or not.
+Writes OUT/ffd_quality.json and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.attention import Attention, AttentionBackend, AttentionMetadata, forward_context  # noqa: E402
+from engine.config import FlashDecodingConfig  # noqa: E402
+from engine.ffd_backend import make_ffd_backend, params_from_config  # noqa: E402
+from engine.loader import load_model, resolve_model_dir  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from kernels.ffd_reference import attend_seq_ref, quantize_blocks_ref  # noqa: E402
+
+TEXT = Path("/usr/share/doc/libgnutls30/NEWS.gz")
+BS = 128
+CPU = torch.device("cpu")
+
+
+def ffd_config(delta: float) -> FlashDecodingConfig:
+    return FlashDecodingConfig(kernel="ffd", delta=delta, delta_units="e", ffd_block_size=BS)
+
+
+class Runner:
+    """Prefill one token sequence in chunks over a fresh paged cache with a given backend."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.q_probe: dict[int, list[torch.Tensor]] = {}
+
+    def run(self, ids: list[int], backend: AttentionBackend, *, logits_from: int, chunk: int = 1024,
+            probe_pos: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.layers[0]
+        pages = -(-len(ids) // BS)
+        kv = torch.zeros(2, len(self.layers), pages, BS, first.num_kv_heads, first.head_dim)
+        for i, layer in enumerate(self.layers):
+            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        if hasattr(backend, "allocate_cache"):
+            backend.allocate_cache(kv)
+        if probe_pos is not None:
+            backend = self._probing(backend, kv, probe_pos)
+        table = torch.arange(pages, dtype=torch.int32)[None]
+        logits = []
+        with torch.inference_mode():
+            for start in range(0, len(ids), chunk):
+                end = min(start + chunk, len(ids))
+                pos = torch.arange(start, end)
+                meta = AttentionMetadata(positions=pos, slot_mapping=pos.clone(),
+                                         query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                                         seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=table,
+                                         max_query_len=end - start, is_decode_only=False)
+                with forward_context(meta, backend):
+                    hidden = self.model(torch.tensor(ids[start:end]), pos)
+                if end > logits_from:
+                    logits.append(self.model.compute_logits(hidden[max(0, logits_from - start):]).float())
+        return torch.cat(logits), kv
+
+    def _probing(self, backend, kv, probe_pos):
+        """Wrap prefill to keep each layer's q rows at `probe_pos` (for the attention analysis)."""
+        layer_of = {kv[0, i].data_ptr(): i for i in range(len(self.layers))}
+        self.q_probe = {i: [] for i in range(len(self.layers))}
+        inner = backend.prefill
+
+        def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
+            end = int(seq_lens[0])
+            start = end - q.shape[0]
+            rows = [p - start for p in probe_pos if start <= p < end]
+            if rows:
+                self.q_probe[layer_of[k_cache.data_ptr()]].append(q[rows].clone())
+            return inner(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
+        return AttentionBackend(name=backend.name, decode=backend.decode, store_kv=backend.store_kv,
+                                prefill=prefill)
+
+
+def analyse_layer(q, pos, k, v, scale, deltas):
+    """Selection quality of one layer at the probe queries, per δ (see the module docstring)."""
+    length = int(pos.max()) + 1
+    nblk = length // BS
+    full = k[:nblk * BS].reshape(nblk, BS, *k.shape[1:])
+    codes, scales, residual = quantize_blocks_ref(full)
+    two = ((torch.cat([((codes >> (2 * j)) & 3) for j in range(4)], -1).float() - 1.5) * scales[:, :, None])
+    k2 = two.permute(0, 2, 1, 3).reshape(nblk * BS, *k.shape[1:])
+    khat = k2 + residual.float().permute(0, 2, 1, 3).reshape(nblk * BS, *k.shape[1:])
+    kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+    exact_p = []
+    for i, p in enumerate(pos.tolist()):               # exact attention of each probe query
+        s = torch.einsum("hgd,thd->hgt", q[i].reshape(kv_heads, group, -1), k[:p + 1]) * scale
+        exact_p.append(torch.softmax(s, -1))
+    rows = {}
+    for delta in deltas:
+        params = params_from_config(ffd_config(delta))
+        out, keep, nq = attend_seq_ref(q, pos, k, v, k2, khat, scale, params)
+        stats = dict(kept=0, total=0, dropped=[], recall_hit=0, recall_n=0, rel_err=[])
+        for i, p in enumerate(pos.tolist()):
+            probs = exact_p[i]                          # [Hkv, G, p+1]
+            n = int(nq[i])
+            stats["kept"] += int(keep[i, :, :n].sum())
+            stats["total"] += n * kv_heads
+            block_mass = probs[..., :n * BS].reshape(kv_heads, group, n, BS).sum(-1)   # [Hkv, G, n]
+            kept = keep[i, :, :n][:, None, :].expand_as(block_mass)
+            stats["dropped"] += (block_mass * ~kept).sum(-1).flatten().tolist()
+            order = block_mass.sort(-1, descending=True)
+            csum = order.values.cumsum(-1)
+            need = csum < 0.95 * csum[..., -1:]        # blocks before reaching 95 % of full-block mass
+            need[..., 0] = True
+            top = torch.zeros_like(kept).scatter(-1, order.indices, need)
+            stats["recall_hit"] += int((top & kept).sum())
+            stats["recall_n"] += int(top.sum())
+            ref = torch.einsum("hgt,thd->hgd", probs, v[:p + 1]).reshape(-1, v.shape[-1])
+            stats["rel_err"].append(float((out[i] - ref).norm() / ref.norm()))
+        dropped = torch.tensor(stats["dropped"])
+        rows[delta] = dict(sparsity=1 - stats["kept"] / max(1, stats["total"]),
+                           recall=stats["recall_hit"] / max(1, stats["recall_n"]),
+                           dropped_median=float(dropped.median()), dropped_p90=float(dropped.quantile(0.9)),
+                           dropped_max=float(dropped.max()), rel_err_mean=sum(stats["rel_err"]) / len(stats["rel_err"]))
+    return rows
+
+
+def kl_and_agreement(dense: torch.Tensor, ffd: torch.Tensor) -> tuple[float, float]:
+    lp, lq = dense.log_softmax(-1), ffd.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return float(kl.mean()), float((dense.argmax(-1) == ffd.argmax(-1)).float().mean())
+
+
+def generate(model_dir, ids, n, fd: dict) -> list[int]:
+    from engine import LLM, SamplingParams
+    llm = LLM(model=str(model_dir), max_num_batched_tokens=1024, cpu_kv_cache_bytes=1 << 30, **fd)
+    return llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas) -> list[dict]:
+    from engine import LLM, SamplingParams
+    results = []
+    engines = {"dense": LLM(model=str(model_dir), kernel="flash", cpu_kv_cache_bytes=1 << 30)}
+    for d in deltas:
+        engines[f"ffd_d{d:g}"] = LLM(model=str(model_dir), kernel="ffd", delta=d, ffd_block_size=BS,
+                                     cpu_kv_cache_bytes=1 << 30)
+    filler_ids = tok.encode(filler)
+    for depth, key in ((0.1, "71432"), (0.5, "40596"), (0.9, "28317")):
+        needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+        body = filler_ids[:length - 80]
+        cut = int(len(body) * depth)
+        text = tok.decode(body[:cut]) + needle + tok.decode(body[cut:])
+        msgs = [{"role": "user", "content": text + "\n\nWhat is the pass key? Answer with the number only."}]
+        ids = tok.encode(tok.apply_chat_template(msgs))
+        row = {"depth": depth, "prompt_tokens": len(ids)}
+        for name, llm in engines.items():
+            out = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=12))[0].text
+            row[name] = {"answer": out.strip(), "found": key in re.sub(r"\D", "", out)}
+        results.append(row)
+        print("passkey", row, flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--deltas", type=float, nargs="+", default=[3.0, 5.0, 7.0])
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--probes", type=int, default=16)
+    ap.add_argument("--generate", type=int, default=0, help="free-running tokens (0: skip)")
+    ap.add_argument("--generate-contexts", type=int, nargs="*", default=None)
+    ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
+    ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(None)
+    tok = Tokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, torch.float32, CPU)
+    runner = Runner(model)
+    text = gzip.decompress(TEXT.read_bytes()).decode("utf-8", "replace")
+    ids_all = tok.encode(text)
+    first = runner.layers[0]
+    scale = first.scale
+    report = {"model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to float32)",
+              "text": str(TEXT), "block_size": BS, "sink_tokens": 4, "local_window": 128,
+              "delta_units": "e", "date": time.strftime("%Y-%m-%d"), "contexts": {}}
+    out_path = args.out / "ffd_quality.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    for length in args.contexts:
+        ids = ids_all[:length]
+        t0 = time.time()
+        probe_pos = [length - 1 - i * (args.window // args.probes) for i in range(args.probes)][::-1]
+        dense_logits, kv = runner.run(ids, AttentionBackend(name="dense"), logits_from=length - args.window,
+                                      probe_pos=probe_pos)
+        probes = {i: torch.cat(v) for i, v in runner.q_probe.items()}
+        pos = torch.tensor(probe_pos)
+        layers = [analyse_layer(probes[i], pos, kv[0, i].reshape(-1, *kv.shape[-2:])[:length],
+                                kv[1, i].reshape(-1, *kv.shape[-2:])[:length], scale, args.deltas)
+                  for i in range(len(runner.layers))]
+        entry = {"dense_seconds": time.time() - t0, "per_layer": layers, "teacher_forced": {}}
+        for delta in args.deltas:
+            t1 = time.time()
+            ffd_logits, _ = runner.run(ids, make_ffd_backend(ffd_config(delta), CPU, "cpu"),
+                                       logits_from=length - args.window)
+            kl, agree = kl_and_agreement(dense_logits, ffd_logits)
+            entry["teacher_forced"][f"{delta:g}"] = {"kl_mean": kl, "argmax_agreement": agree,
+                                                    "seconds": time.time() - t1}
+            print(f"L={length} δ={delta:g}: teacher-forced agreement {agree:.4f} KL {kl:.2e} "
+                  f"({time.time() - t1:.0f} s)", flush=True)
+        if args.generate and (args.generate_contexts is None or length in args.generate_contexts):
+            prompt = ids[:length - args.generate]
+            dense_gen = generate(model_dir, prompt, args.generate, {"kernel": "flash"})
+            entry["generate"] = {}
+            for delta in args.deltas:
+                gen = generate(model_dir, prompt, args.generate,
+                               {"kernel": "ffd", "delta": delta, "ffd_block_size": BS})
+                same = [a == b for a, b in zip(dense_gen, gen)]
+                prefix = next((i for i, s in enumerate(same) if not s), len(same))
+                entry["generate"][f"{delta:g}"] = {"agreement": sum(same) / len(same), "common_prefix": prefix}
+                print(f"L={length} δ={delta:g}: generated agreement {sum(same) / len(same):.3f}, "
+                      f"common prefix {prefix}", flush=True)
+        report["contexts"][str(length)] = entry
+        out_path.write_text(json.dumps(report, indent=1))
+    if args.passkey:
+        filler = text[len(text) // 3:]
+        report["passkey"] = {str(n): passkey(model_dir, tok, filler, n, args.passkey_deltas)
+                             for n in args.passkey}
+        out_path.write_text(json.dumps(report, indent=1))
+    print_table(report, args.deltas)
+
+
+def summarise(layers, delta):
+    rows = [layer[delta] for layer in layers]
+    med = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
+    return dict(sparsity=sum(r["sparsity"] for r in rows) / len(rows),
+                recall=min(r["recall"] for r in rows), dropped_median=med([r["dropped_median"] for r in rows]),
+                dropped_p90_worst=max(r["dropped_p90"] for r in rows),
+                rel_err=sum(r["rel_err_mean"] for r in rows) / len(rows))
+
+
+def print_table(report, deltas) -> None:
+    print("\n| L | δ (nat) | mean block sparsity | min layer recall | median dropped mass | worst-layer p90 "
+          "dropped | mean out rel err | teacher-forced agreement | mean KL |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length, entry in report["contexts"].items():
+        for delta in deltas:
+            s = summarise(entry["per_layer"], delta)
+            tf = entry["teacher_forced"][f"{delta:g}"]
+            print(f"| {length} | {delta:g} | {s['sparsity']:.3f} | {s['recall']:.4f} | {s['dropped_median']:.1e} | "
+                  f"{s['dropped_p90_worst']:.1e} | {s['rel_err']:.1e} | {tf['argmax_agreement']:.4f} | "
+                  f"{tf['kl_mean']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

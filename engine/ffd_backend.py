@@ -1,0 +1,161 @@
+"""`[flashdecoding] kernel = "ffd" | "auto"`: the Faster Flash Decoding attention backend.
+
+Every attention call of every layer applies the per-query rule of `kernels/ffd_reference.py`
+(2-bit scan, top-δ block selection against a pseudo-max from the sinks and the local window,
+refined keys for kept blocks, exact tail), in decode and in prefill alike, so that chunked
+prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a cold run gives.
+
+  where   decode                          prefill                  store K/V + quantize pages
+  GPU     Triton (kernels/ffd.py)         torch rule (ffd_reference) Triton (store_kv + quantize)
+  CPU     torch rule                      torch rule               torch
+
+"auto": queries whose context is shorter than a crossover length attend densely over the exact
+keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
+use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
+CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess).
+
+Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
+(KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
+they are device tensors, added without a sync.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.ffd_cache import FFDCacheSpec, FFDKeyCache
+from kernels import reference
+from kernels.ffd_reference import FFDParams, QuantizedPages, ffd_decode_ref, ffd_prefill_ref, quantize_on_write_ref
+
+logger = logging.getLogger(__name__)
+
+# GPU name (torch.cuda.get_device_name) -> context length from which FFD (δ = 5 nats, BS = 128)
+# beats our dense Flash-Decoding at batch 1 and 8; from bench/results/ffd_kernels.json.
+CROSSOVER_TOKENS: dict[str, int] = {}
+
+
+def params_from_config(fd: Any, min_ffd_len: int = 0) -> FFDParams:
+    return FFDParams(block_size=int(fd.ffd_block_size),
+                     delta_log2=FFDParams.delta_to_log2(float(fd.delta), fd.delta_units),
+                     sink_tokens=int(fd.sink_tokens), local_window=int(fd.local_window),
+                     min_ffd_len=min_ffd_len)
+
+
+def crossover_for(device: torch.device) -> int:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if name not in CROSSOVER_TOKENS:
+        known = ", ".join(f"{k}: {v}" for k, v in CROSSOVER_TOKENS.items()) or "none"
+        raise ValueError(f"[flashdecoding] kernel = \"auto\" needs a measured FFD crossover context length "
+                         f"for {name!r} (stored: {known}); run `python bench/ffd_kernels.py --crossover` "
+                         f"on this GPU, or set kernel = \"ffd\" or \"flash\"")
+    return CROSSOVER_TOKENS[name]
+
+
+def _check_gpu(device: torch.device, vendor: str) -> None:
+    if vendor != "nvidia":
+        raise ValueError(f"[flashdecoding] kernel = \"ffd\" has Triton kernels for NVIDIA only (FP8 E4M3 "
+                         f"residuals); gpu_vendor is {vendor!r}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"[flashdecoding] kernel = \"ffd\" needs FP8 E4M3 (compute capability >= 8.9); "
+                         f"this GPU is {major}.{minor}")
+
+
+@dataclass
+class FFDAttentionBackend(AttentionBackend):
+    params: FFDParams | None = None
+    device: torch.device = torch.device("cpu")
+    num_splits: int = 0
+    cache: FFDKeyCache | None = None
+    layer_of: dict[int, int] = field(default_factory=dict)   # K page tensor address -> layer
+
+    @property
+    def page_size(self) -> int:
+        """The KV page size this backend needs: one quantization block."""
+        assert self.params is not None
+        return self.params.block_size
+
+    # ----- cache (called by the model runner) ---------------------------------------------
+    def extra_bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        return FFDCacheSpec(num_layers, num_kv_heads, head_dim, self.page_size).bytes_per_block
+
+    def allocate_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache [2, layers, N, BS, Hkv, D]: allocate the quantized keys for the same pages."""
+        _, num_layers, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        if block_size != self.page_size:
+            raise ValueError(f"KV pages of {block_size} tokens; FFD needs pages of ffd_block_size = {self.page_size}")
+        self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, kv_cache.device)
+        self.layer_of = {kv_cache[0, i].data_ptr(): i for i in range(num_layers)}
+
+    def pages_of(self, k_cache: torch.Tensor) -> QuantizedPages:
+        layer = self.layer_of.get(k_cache.data_ptr())
+        if self.cache is None or layer is None:
+            raise RuntimeError("FFD: this K cache has no quantized keys (allocate_cache was not called for it)")
+        return self.cache.layer(layer)
+
+    # ----- the three attention functions ---------------------------------------------------
+    def _store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        pages = self.pages_of(k_cache)
+        if k_cache.device.type == "cuda":
+            from kernels import store_kv
+            from kernels.ffd import quantize_on_write
+            store_kv(key, value, k_cache, v_cache, slot_mapping)
+            quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping)
+        else:
+            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+            quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping)
+
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
+        pages = self.pages_of(k_cache)
+        assert self.params is not None
+        if q.device.type == "cuda":
+            from kernels.ffd import ffd_decode
+            stats = torch.zeros(2, dtype=torch.int64, device=q.device)
+            out = ffd_decode(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
+                             seq_lens, scale=scale, params=self.params, num_splits=self.num_splits or None,
+                             stats=stats)
+            counters["ffd_blocks_total"] = counters.get("ffd_blocks_total", 0.0) + stats[0]
+            counters["ffd_blocks_kept"] = counters.get("ffd_blocks_kept", 0.0) + stats[1]
+            return out
+        return ffd_decode_ref(q, k_cache, v_cache, pages, block_tables, seq_lens, scale=scale,
+                              params=self.params, stats=counters)
+
+    def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
+        assert self.params is not None
+        return ffd_prefill_ref(q, k_cache, v_cache, self.pages_of(k_cache), block_tables, seq_lens,
+                               query_start_loc, scale=scale, params=self.params)
+
+
+def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
+                     crossover: int | None = None) -> FFDAttentionBackend:
+    """The backend for kernel = "ffd" or "auto" (`crossover` overrides the stored table: tests)."""
+    if fd.kernel not in ("ffd", "auto"):
+        raise ValueError(f"make_ffd_backend serves kernel = 'ffd' | 'auto', got {fd.kernel!r}")
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        _check_gpu(device, vendor)
+    min_len = 0
+    if fd.kernel == "auto":
+        min_len = crossover if crossover is not None else crossover_for(device)
+    params = params_from_config(fd, min_len)
+    if params.sink_tokens == 0 and params.local_window == 0:
+        logger.warning("[flashdecoding] sink_tokens = local_window = 0: no pseudo-max, so FFD keeps every block")
+    units = f"δ = {fd.delta:g} ({'natural log' if fd.delta_units == 'e' else 'log2'} units, "
+    units += f"{params.delta_log2:.3f} in log2)"
+    where = "triton decode, torch prefill (FFD rule)" if on_gpu else "torch reference (cpu)"
+    mode = (f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there"
+            if fd.kernel == "auto" else "FFD")
+    name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
+            f"{params.block_size}, top-δ per GQA group, {units}, sinks {params.sink_tokens}, "
+            f"local window {params.local_window}; exact K/V kept too: saves read bandwidth, not memory)")
+    backend = FFDAttentionBackend(name=name, params=params, device=device,
+                                  num_splits=int(getattr(fd, "num_splits", 0) or 0))
+    backend.decode = backend._decode
+    backend.store_kv = backend._store
+    backend.prefill = backend._prefill
+    logger.info("attention: %s", name)
+    return backend
