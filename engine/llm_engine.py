@@ -20,7 +20,7 @@ from engine.outputs import CompletionDelta, EngineStats, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -96,6 +96,11 @@ class Sampler:
             x = self._apply_penalties(x.clone(memory_format=torch.contiguous_format), seqs)
         if any(p.logit_bias for p in params):
             x = self._apply_logit_bias(x if x is not logits else x.clone(), seqs)
+        if any(p.logits_processors for p in params):  # e.g. grammar constraints (engine/structured.py)
+            x = x if x is not logits else x.clone()
+            for i, seq in enumerate(seqs):
+                for processor in seq.params.logits_processors:
+                    x[i] = processor(seq.output_token_ids, x[i])
         banned = self._min_tokens_bans(seqs, x.shape[1])
         if banned:
             x = x if x is not logits else x.clone()

@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+# (the sequence's output token ids, its logits row [V]) -> the row to sample from
+LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 
 
 class SamplingParamsError(ValueError):
@@ -32,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logits_processors: list[LogitsProcessor] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -52,7 +52,7 @@ def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_
               stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
               GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-              UPCAST: tl.constexpr, FALLBACK: tl.constexpr):
+              UPCAST: tl.constexpr, FALLBACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
     """Range-check the summed rows, count the bad ones, recompute them exactly if asked, store."""
     rows = tl.arange(0, BLOCK_H)
     excess = m - phi
@@ -64,7 +64,8 @@ def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_
         tl.atomic_add(STATS, num_bad.to(tl.int64))
         if FALLBACK:
             _, l_x, acc_x = attend(q, K, V, bt_row, 0, L, hk, stride_kb, stride_kt, stride_kh, scale_log2,
-                                   phi, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
+                                   phi, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
+                                   PAGE_WINDOW)
             out = tl.where(bad[:, None], acc_x / tl.where(l_x > 0, l_x, 1.0)[:, None], out)
     store_rows(OUT, out, b, hk, stride_ob, stride_oh, GROUP, BLOCK_H, D)
 
@@ -76,7 +77,7 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-                 ESTIMATE: tl.constexpr,
+                 PAGE_WINDOW: tl.constexpr, ESTIMATE: tl.constexpr,
                  EST_SINK: tl.constexpr, EST_N: tl.constexpr, FALLBACK: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -94,7 +95,7 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
         else:
             phi = tl.full([BLOCK_H], phi_log2, tl.float32)
         m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
-                           phi, True, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
+                           phi, True, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST, PAGE_WINDOW)
         if num_splits > 1:
             rows = tl.arange(0, BLOCK_H)
             row_ok = rows < GROUP
@@ -116,11 +117,11 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                 tl.store(count, 0)
                 _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
                           stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
-                          GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK)
+                          GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
         else:
             _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
                       stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
-                      GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK)
+                      GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
 
 
 class _Workspace:
@@ -174,7 +175,7 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
                   D=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink,
-                  EST_N=est_n, FALLBACK=bool(fallback))
+                  EST_N=est_n, FALLBACK=bool(fallback), PAGE_WINDOW=cfg.page_window)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def args(max_splits):

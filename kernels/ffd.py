@@ -199,12 +199,12 @@ def _in_window(tok, L, sink, window):
 
 
 @triton.jit
-def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, P_ACC, P_ML, STATS,
-                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, P_ACC, P_ML, STATS, MASK,
+                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_mask,
                       scale_log2, delta_log2, sink, window, min_ffd_len,
                       NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
-                      BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr):
+                      BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr, WRITE_MASK: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -269,7 +269,10 @@ def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, P_ACC, P_ML, STATS,
             z2 = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
                                False, UPCAST) * scale_log2
             hit = tl.max(tl.where(tl.max(z2, 1) >= th, 1, 0), 0)
-            if (hit > 0) | (blk < sink_blocks) | ((blk + 1) * BS > forced_hi):
+            keep = (hit > 0) | (blk < sink_blocks) | ((blk + 1) * BS > forced_hi)
+            if WRITE_MASK:   # debug/test output: the keep decision of every visited block
+                tl.store(MASK + (b.to(tl.int64) * NUM_KV_HEADS + hk) * stride_mask + blk, keep.to(tl.int8))
+            if keep:
                 z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
                                   D4, True, UPCAST) * scale_log2
                 m, l, acc = _online(m, l, acc, z, _v_tile(V, bt_row, blk, hk, stride_kb, stride_kt, stride_kh,
@@ -325,12 +328,14 @@ def choose_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
 def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor,
                scales: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                *, scale: float, params: FFDParams, num_splits: int | None = None,
-               stats: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               masks: torch.Tensor | None = None) -> torch.Tensor:
     """q[B, Hq, D] -> out[B, Hq, D] under the FFD rule (decode: one query per sequence).
 
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
     (`kernels.ffd_reference`). `stats` (int64 [2], optional) += (full blocks, kept blocks) over
-    (sequence, KV head) pairs. Raises for shapes the kernel does not serve.
+    (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
+    1/0 for every full block the kernel visited. Raises for shapes the kernel does not serve.
     """
     batch, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -354,11 +359,13 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
     _ffd_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, p_acc, p_ml,
-        stats if stats is not None else p_ml,
+        stats if stats is not None else p_ml, masks if masks is not None else p_ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        masks.shape[2] if masks is not None else 0,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
         NUM_SPLITS=splits, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h,
-        D=dim, D4=dim // 4, BS=bs, UPCAST=interpreting(), COUNT=stats is not None, num_warps=4)
+        D=dim, D4=dim // 4, BS=bs, UPCAST=interpreting(), COUNT=stats is not None,
+        WRITE_MASK=masks is not None, num_warps=4)
     _merge_kernel[(batch, kv_heads)](out, p_acc, p_ml, out.stride(0), out.stride(1), NUM_SPLITS=splits,
                                      NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h, D=dim, num_warps=4)
     return out

@@ -117,9 +117,19 @@ def softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC: tl.constexpr
 
 
 @triton.jit
+def window_tokens(PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_WINDOW: tl.constexpr):
+    """Tokens per page window: BLOCK_N-aligned windows touch at most PAGE_WINDOW pages."""
+    if PAGE <= BLOCK_N:
+        return PAGE_WINDOW * PAGE
+    else:
+        return (PAGE_WINDOW - 1) * PAGE
+
+
+@triton.jit
 def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2, phi,
            ASYNC: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-           D: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+           D: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+           PAGE_WINDOW: tl.constexpr):
     """(m, l, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`).
 
     PREFETCH: the next tile's K/V and the page ids of the one after it are loaded in the
@@ -130,7 +140,30 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    if PREFETCH:
+    if PAGE_WINDOW > 0:
+        # Page ids of a window of pages go to registers first (one load per window), so the
+        # tile loop holds no load that feeds another load's address and Triton pipelines the
+        # K/V copies with num_stages buffers (TTGIR: async_wait num=2 instead of num=0).
+        pidx = tl.arange(0, PAGE_WINDOW)
+        for w_lo in range(lo, hi, window_tokens(PAGE, BLOCK_N, PAGE_WINDOW)):
+            w_hi = tl.minimum(w_lo + window_tokens(PAGE, BLOCK_N, PAGE_WINDOW), hi)
+            first = w_lo // PAGE
+            pages = tl.load(bt_row + first + pidx, mask=(first + pidx) * PAGE < w_hi, other=0).to(tl.int64)
+            for start in tl.range(w_lo, w_hi, BLOCK_N, num_stages=NUM_STAGES):
+                offs = start + tl.arange(0, BLOCK_N)
+                valid = offs < w_hi
+                if PAGE >= BLOCK_N:
+                    page = tl.sum(tl.where(pidx == start // PAGE - first, pages, 0), 0)
+                    tok = page * stride_kb
+                else:
+                    NPT: tl.constexpr = BLOCK_N // PAGE
+                    j = (start // PAGE - first) + tl.arange(0, NPT)
+                    tile_pages = tl.sum(tl.where(pidx[None, :] == j[:, None], pages[None, :], 0), 1)
+                    tok = tl.reshape(tl.broadcast_to(tile_pages[:, None], [NPT, PAGE]), [BLOCK_N]) * stride_kb
+                tok += (offs % PAGE).to(tl.int64) * stride_kt + hk * stride_kh
+                k, v = load_tile(K, V, tok, valid, D, UPCAST)
+                m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
+    elif PREFETCH:
         tok, valid = tile_tokens(bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N)
         k, v = load_tile(K, V, tok, valid, D, UPCAST)
         tok_n, valid_n = tile_tokens(bt_row, lo + BLOCK_N, hi, hk, stride_kb, stride_kt, stride_kh,
@@ -170,7 +203,8 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
                   stride_ob, stride_oh, scale_log2, max_splits, min_chunk,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+                  PAGE_WINDOW: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,7 +216,8 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
         q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
         m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
-                           scale_log2, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST)
+                           scale_log2, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
+                           PAGE_WINDOW)
         if num_splits == 1:
             # One split (short sequence, large batch, or "standard"): normalise here, no merge.
             store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
@@ -294,7 +329,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim,
                   PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                  PREFETCH=cfg.prefetch, UPCAST=interpreting())
+                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), PAGE_WINDOW=cfg.page_window)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def args(p_acc, p_ml, max_splits):

@@ -52,6 +52,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3        # Triton software-pipeline depth of the KV loop
     prefetch: bool = False     # load tile i+1 (and page ids of i+2) in registers during tile i
+    page_window: int = 0       # >0: page ids of this many pages held in registers per window
     ctas_per_sm: int = 0       # CTAs per SM the split heuristic fills; 0 = the compiled kernel's occupancy
     min_chunk: int = 256       # fewest KV tokens a split is given (bounds partial traffic)
     max_splits: int = 64       # cap on splits per sequence

@@ -26,7 +26,7 @@ from server import __version__
 Run = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 
-EXTENSIONS: list[str] = []  # e.g. "bench.cli": modules that register more subcommands
+EXTENSIONS: list[str] = ["bench.cli"]  # modules that register more subcommands
 
 
 @dataclass(frozen=True)

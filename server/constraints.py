@@ -7,18 +7,12 @@ samples (see engine/structured.py for the processor). Building a grammar can tak
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
-from engine.sampling_params import SamplingParams
 from engine.structured import GrammarError, GrammarLogitsProcessor, json_schema_grammar, lark_grammar
 from server.errors import bad_request
 from server.protocol import ResponseFormat
 from server.tools import ToolPlan, forced_call_grammar
-
-
-def logits_processors_supported() -> bool:
-    return "logits_processors" in {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def _grammar(response_format: ResponseFormat | None, plan: ToolPlan | None) -> tuple[str, str] | None:
@@ -45,8 +39,8 @@ async def constraint_processors(engine: Any, response_format: ResponseFormat | N
         return []
     grammar, param = found
     hf_tokenizer = getattr(engine.tokenizer, "hf", None)
-    if not logits_processors_supported() or hf_tokenizer is None:
-        raise bad_request(f"{param} needs constrained decoding, which this engine build does not offer", param)
+    if hf_tokenizer is None:
+        raise bad_request(f"{param} needs constrained decoding, which this tokenizer does not offer", param)
     tokenizer = engine.tokenizer
 
     def build() -> GrammarLogitsProcessor:

@@ -253,7 +253,7 @@ class ToolCallParser:
             if (self._mode, len(self._buffer)) == before or not self._buffer:
                 break
         if final and self._mode == "call" and self._builder is not None:
-            content.append(self._end_call(final=True, deltas=deltas))
+            content.append(self._end_call(deltas))  # cut off: no closing tag or brace
         text = "".join(content)
         if final:
             text += self._buffer
@@ -316,7 +316,7 @@ class ToolCallParser:
             chunk, self._buffer = self._buffer[:at], self._buffer[at + len(_CLOSE):]
             self._raw_call += chunk
             deltas = self._builder.feed(chunk)
-            return self._end_call(final=True, deltas=deltas, closed=True), deltas
+            return self._end_call(deltas, closed=True), deltas
         # llama3_json: the call ends with its closing brace; `;` or whitespace may separate calls
         deltas = self._builder.feed(self._buffer)
         self._raw_call += self._buffer
@@ -327,12 +327,12 @@ class ToolCallParser:
         rest = scanner.text[scanner.end:]
         if rest:
             self._raw_call = self._raw_call[:-len(rest)]
-        content = self._end_call(final=True, deltas=deltas, closed=True)
+        content = self._end_call(deltas, closed=True)
         self._buffer = rest
         self._mode = "start"
         return content, deltas
 
-    def _end_call(self, final: bool, deltas: list[dict[str, Any]], closed: bool = False) -> str:
+    def _end_call(self, deltas: list[dict[str, Any]], closed: bool = False) -> str:
         """Close the current call; returns content to emit when it turned out not to be a call."""
         assert self._builder is not None
         ok, more = self._builder.finish()

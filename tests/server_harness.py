@@ -5,9 +5,8 @@ import re
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -81,32 +80,3 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return condition()
-
-
-@contextmanager
-def logits_processor_hook() -> Iterator[None]:
-    """Until the engine applies `SamplingParams.logits_processors` itself, apply them in the
-    sampler the way the proposed hook would (after penalties and logit_bias, per sequence)."""
-    import pytest
-
-    import server.constraints as constraints
-    from engine.sampler import Sampler
-
-    if constraints.logits_processors_supported():
-        yield
-        return
-    original = Sampler.process_logits
-
-    def process_logits(self, logits, seqs):
-        x = original(self, logits, seqs)
-        for i, seq in enumerate(seqs):
-            for processor in getattr(seq.params, "logits_processors", None) or ():
-                if x is logits:
-                    x = x.clone()
-                x[i] = processor(seq.output_token_ids, x[i])
-        return x
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Sampler, "process_logits", process_logits)
-        patch.setattr(constraints, "logits_processors_supported", lambda: True)
-        yield

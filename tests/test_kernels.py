@@ -88,6 +88,17 @@ def test_decode_with_register_prefetch(variant):
     assert rel_err(out, ref) < TOL32
 
 
+@pytest.mark.parametrize("variant", ["flash", "fdpp"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_decode_with_page_windows(variant, page):
+    """Page ids held in registers per window of 4 pages (several windows per split)."""
+    q, k, v, tables, seq_lens = paged_batch([300, 130, 5], 8, 2, 64, page, torch.float32, seed=19)
+    out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant=variant, num_splits=2,
+                           config=DecodeConfig(block_n=32, min_chunk=64, num_stages=1, page_window=4))
+    ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
+    assert rel_err(out, ref) < TOL32
+
+
 def test_split_plan_covers_every_token_once():
     lens = torch.tensor([1, 63, 64, 65, 1000, 4096, 131072], dtype=torch.int32)
     chunk, n = split_plan(lens, max_splits=29, block_n=64, min_chunk=256)

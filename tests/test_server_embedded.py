@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncEngine, load_config
 from server.app import build_app
-from tests.server_harness import LiveServer, logits_processor_hook
+from tests.server_harness import LiveServer
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +31,7 @@ def client():
                                           "server.log_level": "warning"})
     engine = AsyncEngine(config)
     engine.start()
-    with logits_processor_hook(), LiveServer(build_app(config, engine)) as live:
+    with LiveServer(build_app(config, engine)) as live:
         yield openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120)
     engine.shutdown()
 

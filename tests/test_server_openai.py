@@ -7,7 +7,7 @@ import pytest
 
 from engine import AsyncEngine
 from server.app import build_app
-from tests.server_harness import TOOLS_TEMPLATE, LiveServer, logits_processor_hook, metric, tiny_config, wait_until
+from tests.server_harness import TOOLS_TEMPLATE, LiveServer, metric, tiny_config, wait_until
 from tests.tiny_models import make_tiny_model
 
 MODEL = "tiny"
@@ -32,7 +32,7 @@ def engine(tmp_path_factory):
 def server(engine):
     config = tiny_config(engine.config.model.name, **{"model.max_context_len": MAX_CONTEXT,
                                                       "server.max_body_bytes": 64 * 1024})
-    with logits_processor_hook(), LiveServer(build_app(config, engine)) as live:
+    with LiveServer(build_app(config, engine)) as live:
         yield live
 
 
