@@ -75,7 +75,7 @@ VARIANTS = {   # name -> decode_attention options
 }
 
 
-def run_checks(seed: int) -> list[dict]:
+def run_checks(seed: int, cfg: DecodeConfig) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     for page in (16, 64):
@@ -90,7 +90,7 @@ def run_checks(seed: int) -> list[dict]:
                     out = torch.full_like(q, float("nan"))
                     stats = new_stats(q.device) if opts["variant"] == "fdpp" else None
                     extra = {"stats": stats} if stats is not None else {}
-                    decode_attention(q, k, v, tables, seq_lens, scale=SCALE, out=out, **opts, **extra)
+                    decode_attention(q, k, v, tables, seq_lens, scale=SCALE, out=out, config=cfg, **opts, **extra)
                     ref = reference_fp32(q, k, v, tables, seq_lens)
                     err = rel_err(out, ref)
                     rows.append({"variant": name, "page": page, "B": batch, "L": length,
@@ -227,9 +227,14 @@ def pick_config(sweep: list[dict]) -> DecodeConfig:
 
 
 def sweep_configs() -> list[DecodeConfig]:
-    """Occupancy target and warps around the 128-token pipelined tile (the earlier sweeps of
-    tile size, stages and register prefetch are in bench/RESULTS.md)."""
-    return [DecodeConfig()] + [DecodeConfig(ctas_per_sm=c) for c in (2, 3, 4)]   # 0 = measured occupancy
+    """The in-loop page-table read against page ids held in registers per window (earlier sweeps
+    of tile size, stages, occupancy and register prefetch are in bench/RESULTS.md)."""
+    return [DecodeConfig(),                                             # Triton pipeliner, page ids in-loop
+            DecodeConfig(block_n=64, num_stages=3, page_window=32),      # page ids in registers per window
+            DecodeConfig(block_n=64, num_stages=3, num_warps=8, page_window=32),
+            DecodeConfig(block_n=64, num_stages=4, page_window=32),
+            DecodeConfig(block_n=128, num_stages=3, num_warps=8, page_window=32),
+            DecodeConfig(block_n=64, num_stages=3, page_window=64)]
 
 
 def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
@@ -351,7 +356,7 @@ def main() -> None:
     result["meta"]["decode_config"] = repr(cfg)
     if args.check:
         t0 = time.time()
-        result["check"] = run_checks(args.seed)
+        result["check"] = run_checks(args.seed, cfg)
         save()
         print(f"checks done in {time.time() - t0:.0f}s", flush=True)
     if args.bench:

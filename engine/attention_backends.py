@@ -13,13 +13,15 @@ switches"); nothing falls back silently to another algorithm:
 On a GPU every choice runs our Triton kernels; on the CPU the torch reference of the same
 algorithm (split and merge, unified max). `backend.name` says exactly which.
 
-FD++ range checks are counted on the device (graph-safe); `read_counters()` returns the
-running totals (one sync), and on the CPU each call also adds its count to `counters`.
+FD++ range checks go into the step's `counters` (summed by the engine, exported by /metrics):
+`fdpp_rows_checked` (a float) and `fdpp_fallback_rows`. On the GPU the latter is a 0-d device
+tensor the kernels add to atomically, zeroed at layer 0 of each step: reading it never syncs
+inside the step, and a captured CUDA graph keeps both the zeroing and the counting.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,18 +38,9 @@ CPU_MAX_SPLITS = 8
 
 @dataclass
 class KernelAttentionBackend(AttentionBackend):
-    """An AttentionBackend that also exports the FD++ range-check counters."""
+    """An AttentionBackend that also says which decode variant it runs."""
 
     variant: str = "standard"
-    stats: torch.Tensor | None = None          # [1] int64: rows flagged by the range check
-    rows_checked: list[int] = field(default_factory=lambda: [0])
-
-    def read_counters(self) -> dict[str, float]:
-        """Running totals since start-up: rows range-checked and rows that left φ's window."""
-        if self.variant != "fdpp" or self.stats is None:
-            return {}
-        return {"fdpp_rows_checked": float(self.rows_checked[0]),
-                "fdpp_fallback_rows": float(self.stats[0].item())}
 
 
 def _decode_variant(fd: Any) -> str:
@@ -111,8 +104,7 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
     elif fd.enable and (fd.fixed_max_value is not False or not fallback):
         logger.info("[flashdecoding] fixed_max_value / fallback_on_overflow apply to async_softmax only")
 
-    stats = torch.zeros(1, dtype=torch.int64, device=device)
-    rows_checked = [0]
+    step_stats = torch.zeros(1, dtype=torch.int64, device=device)   # rows flagged in this step
     splits_text = "1 split" if variant == "standard" else (
         f"splits={num_splits}" if num_splits else
         ("splits=wave heuristic" if on_gpu else f"splits<={CPU_MAX_SPLITS}"))
@@ -122,12 +114,16 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
         cfg = vendor_configs(vendor)
         options: dict[str, Any] = {"config": cfg.decode}
         if variant == "fdpp":
-            options.update(fallback=fallback, stats=stats)
+            options.update(fallback=fallback, stats=step_stats)
 
         def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
-            extra = {"phi": phi_for(layer_idx)} if variant == "fdpp" else {}
+            extra = {}
             if variant == "fdpp":
-                rows_checked[0] += q.shape[0] * q.shape[1]
+                if layer_idx == 0:
+                    step_stats.zero_()
+                extra["phi"] = phi_for(layer_idx)
+                counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
+                counters["fdpp_fallback_rows"] = step_stats[0]
             return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                     variant=variant, num_splits=num_splits or None, **options, **extra)
 
@@ -143,16 +139,13 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
                 return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
             extra: dict[str, Any] = {}
             if variant == "fdpp":
-                extra = {"phi": phi_for(layer_idx), "fallback": fallback, "stats": stats}
-                before = int(stats[0])
+                step_stats.zero_()
+                extra = {"phi": phi_for(layer_idx), "fallback": fallback, "stats": step_stats}
             out = reference.decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                              variant=variant, num_splits=num_splits or CPU_MAX_SPLITS, **extra)
             if variant == "fdpp":
-                rows = q.shape[0] * q.shape[1]
-                rows_checked[0] += rows
-                counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + rows
-                counters["fdpp_fallback_rows"] = (counters.get("fdpp_fallback_rows", 0.0)
-                                                  + int(stats[0]) - before)
+                counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
+                counters["fdpp_fallback_rows"] = counters.get("fdpp_fallback_rows", 0.0) + float(step_stats[0])
             return out
 
         prefill = reference.prefill_attention_ref
@@ -166,5 +159,4 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
     if variant == "fdpp":
         details += [phi_text, f"fallback={'on' if fallback else 'off (counted only)'}"]
     name = f"{where}: {title} ({', '.join(details)}); prefill + kv store: {where}"
-    return KernelAttentionBackend(name=name, decode=decode, store_kv=store, prefill=prefill,
-                                  variant=variant, stats=stats, rows_checked=rows_checked)
+    return KernelAttentionBackend(name=name, decode=decode, store_kv=store, prefill=prefill, variant=variant)

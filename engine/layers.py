@@ -6,9 +6,14 @@ the embedding and LM head split the vocabulary. Each parameter carries a `weight
 copies this rank's slice of a full checkpoint tensor (or of one shard of a fused tensor), so
 `tensor_parallel_size > 1` only needs `get_tp_rank_and_size()` to return the process group's
 rank and size.
+
+Every linear product goes through `linear`, whose implementation `configure_matmul` picks once at
+startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-shape dispatcher of
+`kernels.matmul_dispatch` (GEMV / flat GEMM / cuBLAS for decode-sized M).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, overload
 
@@ -17,6 +22,45 @@ import torch.nn.functional as F
 from torch import nn
 
 WeightLoader = Callable[..., None]
+logger = logging.getLogger(__name__)
+
+_matmul: Callable[..., torch.Tensor] = F.linear   # set by configure_matmul
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ (+ b) for every linear layer, through the implementation `configure_matmul` chose."""
+    return _matmul(x, weight, bias)
+
+
+def configure_matmul(fd: Any, device: torch.device, dtype: torch.dtype,
+                     shapes: dict[str, tuple[int, int]] | None = None, table_path: str | None = None) -> str:
+    """Choose what `linear` runs from `[flashdecoding]` (fd) and the device; log and return it.
+
+    F.linear unless enable, adaptive_matmul and a GPU all hold; then the dispatcher, which keeps
+    cuBLAS for M > 256 and for every shape its measured table (`fdserve tune`) does not cover.
+    `shapes` ({name: (K, N)}, see `linear_shapes`) only makes the log line specific.
+    """
+    global _matmul
+    if not fd.enable:
+        why = "[flashdecoding] enable = false"
+    elif not fd.adaptive_matmul:
+        why = "[flashdecoding] adaptive_matmul = false" + (" (double_buffer applies only to the adaptive "
+                                                           "kernels)" if fd.double_buffer else "")
+    elif device.type != "cuda":
+        why = f"the flat-GEMM/GEMV kernels need a GPU, this runs on {device.type}"
+    else:
+        from kernels.matmul_dispatch import AdaptiveMatmul
+
+        dispatcher = AdaptiveMatmul.from_file(torch.cuda.get_device_name(device), dtype,
+                                              double_buffer=fd.double_buffer, path=table_path)
+        _matmul = dispatcher
+        text = dispatcher.describe(shapes)
+        logger.log(logging.WARNING if dispatcher.problem else logging.INFO, "linear layers: %s", text)
+        return text
+    _matmul = F.linear
+    text = f"F.linear for every linear layer: {why}"
+    logger.info("linear layers: %s", text)
+    return text
 
 
 def get_tp_rank_and_size() -> tuple[int, int]:
@@ -224,7 +268,7 @@ class ColumnParallelLinear(nn.Module):
         _check_and_copy(param, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         return tensor_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -324,7 +368,7 @@ class RowParallelLinear(nn.Module):
         _check_and_copy(param, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out + self.bias if self.bias is not None else out
@@ -374,8 +418,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> float32 logits[N, vocab]: local matmul, gather over ranks, drop padding."""
-        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight))
+        logits = tensor_parallel_all_gather(linear(hidden, self.weight))
         return logits[:, :self.num_embeddings].float()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is a projection; call compute_logits(hidden)")
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(K, N) of this rank's weight for each kind of linear layer in `model` (qkv_proj, o_proj,
+    gate_up_proj, down_proj, lm_head): the products a decode step runs."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            n, k = module.weight.shape
+            shapes.setdefault(name.rsplit(".", 1)[-1], (int(k), int(n)))
+    return shapes

@@ -199,88 +199,121 @@ def _in_window(tok, L, sink, window):
 
 
 @triton.jit
-def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, P_ACC, P_ML, STATS, MASK,
+def _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                 D4: tl.constexpr, UPCAST: tl.constexpr):
+    """q rows [BLOCK_H, D] of KV head hk and its four channel planes [BLOCK_H, D/4]."""
+    rows = tl.arange(0, BLOCK_H)
+    row_ok = rows < GROUP
+    heads = hk * GROUP + rows
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q0 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 0, D4)
+    q1 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 1, D4)
+    q2 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 2, D4)
+    q3 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 3, D4)
+    if UPCAST:
+        q, q0, q1, q2, q3 = q.to(tl.float32), q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    return q, q0, q1, q2, q3
+
+
+@triton.jit
+def _pseudo_max_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM,
+                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                       scale_log2, sink, window, min_ffd_len,
+                       SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                       NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                       D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr):
+    """Partial pseudo-max: part p < SINK_PARTS is sink block p, then the window's blocks, the last
+    part the exact tail. Each writes the row max over its tokens in the sinks or the window."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    part = tl.program_id(2)
+    L = tl.load(SEQ + b)
+    nq = L // BS
+    rows = tl.arange(0, BLOCK_H)
+    toks = tl.arange(0, BS)
+    best = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    if L >= min_ffd_len:
+        q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        if part == NUM_PARTS - 1:
+            raw, _, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            ok = valid & _in_window(nq * BS + toks, L, sink, window)
+            best = tl.max(tl.where(ok[None, :], raw * scale_log2, float("-inf")), 1)
+        else:
+            sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
+            first_window = tl.maximum(tl.maximum(L - window, 0) // BS, sink_blocks)
+            blk = tl.where(part < SINK_PARTS, part, first_window + part - SINK_PARTS)
+            useful = tl.where(part < SINK_PARTS, blk < sink_blocks, blk < nq)
+            if useful:
+                page = tl.load(bt_row + blk)
+                z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
+                                  True, UPCAST) * scale_log2
+                best = tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], z, float("-inf")), 1)
+    heads = hk * GROUP + rows
+    tl.store(PM + ((b.to(tl.int64) * NUM_HEADS + heads) * NUM_PARTS + part), best, mask=rows < GROUP)
+
+
+@triton.jit
+def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM, P_ACC, P_ML, STATS, MASK,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_mask,
                       scale_log2, delta_log2, sink, window, min_ffd_len,
-                      NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, NUM_PARTS: tl.constexpr,
+                      PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
                       BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr, WRITE_MASK: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(SEQ + b)
-    nq = L // BS
+    dense = L < min_ffd_len
+    nq = tl.where(dense, 0, L // BS)
+    units = tl.where(dense, tl.cdiv(L, BS), nq)          # pages this sequence's splits walk
+    per = tl.maximum(tl.cdiv(units, NUM_SPLITS), MIN_PER_SPLIT)
+    lo = split * per
+    hi = tl.minimum(lo + per, units)
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < GROUP
     heads = hk * GROUP + rows
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_bt
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     kept = L * 0
-    if L < min_ffd_len:
-        # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
-        n_all = tl.cdiv(L, BS)
-        per = tl.cdiv(n_all, NUM_SPLITS)
-        for blk in range(split * per, tl.minimum(split * per + per, n_all)):
-            raw, v, valid = _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
-            m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
-        nq = nq * 0                                      # nothing quantized was visited
-    else:
-        q0 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 0, D4)
-        q1 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 1, D4)
-        q2 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 2, D4)
-        q3 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 3, D4)
-        if UPCAST:
-            q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
-        toks = tl.arange(0, BS)
-        # 1. pseudo-max over the sinks and the local window (refined keys; exact in the tail)
-        ps = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
-        first_window = tl.maximum(tl.maximum(L - window, 0) // BS, sink_blocks)
-        for blk in range(0, sink_blocks):
-            page = tl.load(bt_row + blk)
-            z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
-                              True, UPCAST) * scale_log2
-            ps = tl.maximum(ps, tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], z,
-                                                float("-inf")), 1))
-        for blk in range(first_window, nq):
-            page = tl.load(bt_row + blk)
-            z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
-                              True, UPCAST) * scale_log2
-            ps = tl.maximum(ps, tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], z,
-                                                float("-inf")), 1))
-        has_tail = L > nq * BS
-        raw, v_tail, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
-                                         UPCAST)
-        z_tail = tl.where(valid[None, :], raw * scale_log2, float("-inf"))
-        ps = tl.maximum(ps, tl.max(tl.where(_in_window(nq * BS + toks, L, sink, window)[None, :], z_tail,
-                                            float("-inf")), 1))
-        th = tl.where(row_ok, ps - delta_log2, float("inf"))   # padding rows never keep a block
-        # 2. this split's full blocks: scan, select, refine, accumulate
-        per = tl.cdiv(nq, NUM_SPLITS)
-        forced_hi = tl.maximum(L - window, 0)                  # blocks ending after this: window
-        for blk in range(split * per, tl.minimum(split * per + per, nq)):
-            page = tl.load(bt_row + blk)
-            z2 = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
-                               False, UPCAST) * scale_log2
-            hit = tl.max(tl.where(tl.max(z2, 1) >= th, 1, 0), 0)
-            keep = (hit > 0) | (blk < sink_blocks) | ((blk + 1) * BS > forced_hi)
-            if WRITE_MASK:   # debug/test output: the keep decision of every visited block
-                tl.store(MASK + (b.to(tl.int64) * NUM_KV_HEADS + hk) * stride_mask + blk, keep.to(tl.int8))
-            if keep:
-                z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
-                                  D4, True, UPCAST) * scale_log2
-                m, l, acc = _online(m, l, acc, z, _v_tile(V, bt_row, blk, hk, stride_kb, stride_kt, stride_kh,
-                                                          BS, D, UPCAST))
-                kept += 1
-        # 3. the exact tail, once per sequence
-        if has_tail & (split == NUM_SPLITS - 1):
-            m, l, acc = _online(m, l, acc, z_tail, v_tail)
+    has_tail = (L > nq * BS) & (split == 0) & (dense == 0)
+    if (lo < hi) | has_tail:
+        q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        if dense:
+            # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
+            for blk in range(lo, hi):
+                raw, v, valid = _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
+                                            UPCAST)
+                m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+        else:
+            parts = tl.arange(0, PARTS_PAD)
+            pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_PARTS + parts[None, :],
+                         mask=row_ok[:, None] & (parts < NUM_PARTS)[None, :], other=float("-inf"))
+            th = tl.where(row_ok, tl.max(pm, 1) - delta_log2, float("inf"))   # padding rows keep nothing
+            sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
+            forced_hi = tl.maximum(L - window, 0)              # blocks ending after this: window
+            for blk in range(lo, hi):
+                page = tl.load(bt_row + blk)
+                z2 = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
+                                   D4, False, UPCAST) * scale_log2
+                hit = tl.max(tl.where(tl.max(z2, 1) >= th, 1, 0), 0)
+                keep = (hit > 0) | (blk < sink_blocks) | ((blk + 1) * BS > forced_hi)
+                if WRITE_MASK:   # test output: the keep decision of every visited block
+                    tl.store(MASK + (b.to(tl.int64) * NUM_KV_HEADS + hk) * stride_mask + blk, keep.to(tl.int8))
+                if keep:
+                    z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
+                                      D4, True, UPCAST) * scale_log2
+                    m, l, acc = _online(m, l, acc, z, _v_tile(V, bt_row, blk, hk, stride_kb, stride_kt, stride_kh,
+                                                              BS, D, UPCAST))
+                    kept += 1
+            if has_tail:                                       # the exact tail, once per sequence
+                raw, v, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
+                                            UPCAST)
+                m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
     part = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=row_ok[:, None])
     tl.store(P_ML + part * 2, m, mask=row_ok)
@@ -292,37 +325,47 @@ def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, P_ACC, P_ML, STATS, 
 
 
 @triton.jit
-def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(SEQ, OUT, P_ACC, P_ML, stride_ob, stride_oh, min_ffd_len,
+                  NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, query head)'s used splits, vectorised over splits."""
     b = tl.program_id(0)
-    hk = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_H)
-    row_ok = rows < GROUP
-    heads = hk * GROUP + rows
-    base = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for split in range(0, NUM_SPLITS):
-        part = base + split
-        m_s = tl.load(P_ML + part * 2, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(P_ML + part * 2 + 1, mask=row_ok, other=0.0)
-        acc_s = tl.load(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_new))      # empty splits weigh 0
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_new))
-        l = l * alpha + l_s * w
-        acc = acc * alpha[:, None] + acc_s * w[:, None]
-        m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    ptr = OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + tl.arange(0, D)[None, :]
-    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    h = tl.program_id(1)
+    L = tl.load(SEQ + b)
+    units = tl.where(L < min_ffd_len, tl.cdiv(L, BS), L // BS)
+    per = tl.maximum(tl.cdiv(units, NUM_SPLITS), MIN_PER_SPLIT)
+    used = tl.maximum(tl.cdiv(units, per), 1)           # split 0 always holds the tail
+    base = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
+    s = tl.arange(0, NUM_SPLITS)
+    ok = s < used
+    m_s = tl.load(P_ML + (base + s) * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(P_ML + (base + s) * 2 + 1, mask=ok, other=0.0)
+    m_all = tl.max(m_s, 0)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
+    l_all = tl.sum(w * l_s, 0)
+    acc = tl.zeros([D], tl.float32)
+    for c in range(0, tl.cdiv(used, CHUNK)):
+        sc = c * CHUNK + tl.arange(0, CHUNK)
+        okc = sc < used
+        m_c = tl.load(P_ML + (base + sc) * 2, mask=okc, other=float("-inf"))
+        w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp2(m_c - m_all))
+        a_c = tl.load(P_ACC + (base + sc)[:, None] * D + tl.arange(0, D)[None, :], mask=okc[:, None], other=0.0)
+        acc += tl.sum(a_c * w_c[:, None], 0)
+    out = acc / tl.where(l_all > 0, l_all, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + tl.arange(0, D), out.to(OUT.dtype.element_ty))
 
 
 def choose_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs for two per SM at this batch size (depends on B only: graph-safe)."""
-    target = 2 * num_compute_units(device)
-    return max(1, min(64, math.ceil(target / max(1, batch * num_kv_heads))))
+    """About eight programs per SM at this batch size, a power of two <= 128 (B only: graph-safe).
+
+    Many small programs keep enough 2-bit scan loads in flight to reach HBM bandwidth; each
+    sequence uses only the splits its length needs (at least MIN_PER_SPLIT blocks each)."""
+    target = 8 * num_compute_units(device)
+    return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
+
+
+MIN_PER_SPLIT = 4      # blocks: below this a split's fixed cost (q, threshold, partial) dominates
+MERGE_CHUNK = 16
 
 
 def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor,
@@ -335,7 +378,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
     (`kernels.ffd_reference`). `stats` (int64 [2], optional) += (full blocks, kept blocks) over
     (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
-    1/0 for every full block the kernel visited. Raises for shapes the kernel does not serve.
+    1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
+    Raises for shapes the kernel does not serve.
     """
     batch, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -352,20 +396,33 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     if batch == 0:
         return out
     group = num_heads // kv_heads
-    splits = int(num_splits or choose_splits(batch, kv_heads, q.device))
+    splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device)))
+    min_per = 1 if num_splits else MIN_PER_SPLIT
+    sink_parts = -(-params.sink_tokens // bs)
+    num_parts = sink_parts + (-(-params.local_window // bs) + 1) + 1
+    pm = torch.empty(batch * num_heads * num_parts, dtype=torch.float32, device=q.device)
     p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=q.device)
     p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(group))
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
+    common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, D=dim, D4=dim // 4,
+                  BS=bs, UPCAST=interpreting())
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_tables.stride(0))
+    _pseudo_max_kernel[(batch, kv_heads, num_parts)](
+        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, *strides,
+        scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
+        SINK_PARTS=sink_parts, NUM_PARTS=num_parts, num_warps=4, **common)
     _ffd_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, p_acc, p_ml,
-        stats if stats is not None else p_ml, masks if masks is not None else p_ml,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, p_acc, p_ml,
+        stats if stats is not None else p_ml, masks if masks is not None else p_ml, *strides,
         masks.shape[2] if masks is not None else 0,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
-        NUM_SPLITS=splits, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h,
-        D=dim, D4=dim // 4, BS=bs, UPCAST=interpreting(), COUNT=stats is not None,
-        WRITE_MASK=masks is not None, num_warps=4)
-    _merge_kernel[(batch, kv_heads)](out, p_acc, p_ml, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                                     NUM_HEADS=num_heads, GROUP=group, BLOCK_H=block_h, D=dim, num_warps=4)
+        NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, NUM_PARTS=num_parts,
+        PARTS_PAD=triton.next_power_of_2(num_parts), COUNT=stats is not None, WRITE_MASK=masks is not None,
+        num_warps=4, **common)
+    _merge_kernel[(batch, num_heads)](seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1),
+                                      params.min_ffd_len, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per,
+                                      CHUNK=min(MERGE_CHUNK, splits), NUM_HEADS=num_heads, D=dim, BS=bs,
+                                      num_warps=4)
     return out

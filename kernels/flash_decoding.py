@@ -130,20 +130,22 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
            ASYNC: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
            D: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
            PAGE_WINDOW: tl.constexpr):
-    """(m, l, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`).
+    """(m, l, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`). Three loops:
 
-    PREFETCH: the next tile's K/V and the page ids of the one after it are loaded in the
-    iteration before they are used, so no load waits on another load of its own iteration.
-    (Triton's pipeliner, given the page-table load feeding the K/V addresses, keeps a single
-    buffer and waits for each tile: HBM latency was exposed once per tile.)
+    default: the page id is read inside the tile loop. Triton's pipeliner then keeps a single
+        K/V buffer and waits for each tile; several resident CTAs per SM hide the latency, and
+        on the H200 this is the fastest of the three (bench/RESULTS.md).
+    PAGE_WINDOW: page ids of a window of pages are loaded into registers first, so the tile
+        loop is pipelined with real multi-buffering; the buffers cost occupancy.
+    PREFETCH: the next tile's K/V (and the page ids of the one after) are loaded in registers
+        one iteration early; for targets where num_stages = 1 leaves no Triton pipelining.
     """
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     if PAGE_WINDOW > 0:
-        # Page ids of a window of pages go to registers first (one load per window), so the
-        # tile loop holds no load that feeds another load's address and Triton pipelines the
-        # K/V copies with num_stages buffers (TTGIR: async_wait num=2 instead of num=0).
+        # One page-table load per window: the tile loop then holds no load that feeds another
+        # load's address, and Triton pipelines the K/V copies (TTGIR async_wait num=2, not 0).
         pidx = tl.arange(0, PAGE_WINDOW)
         for w_lo in range(lo, hi, window_tokens(PAGE, BLOCK_N, PAGE_WINDOW)):
             w_hi = tl.minimum(w_lo + window_tokens(PAGE, BLOCK_N, PAGE_WINDOW), hi)

@@ -59,6 +59,10 @@ class DecodeConfig:
     merge_warps: int = 4
     extra: dict[str, int] = field(default_factory=dict)   # vendor-only launch options
 
+    def __post_init__(self) -> None:
+        if self.page_window and (self.page_window < 2 or self.page_window & (self.page_window - 1)):
+            raise ValueError(f"page_window must be 0 or a power of two >= 2; got {self.page_window}")
+
 
 @dataclass(frozen=True)
 class PrefillConfig:

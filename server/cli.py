@@ -26,7 +26,7 @@ from server import __version__
 Run = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 
-EXTENSIONS: list[str] = ["bench.cli"]  # modules that register more subcommands
+EXTENSIONS: list[str] = ["server.cli_tools", "bench.cli"]  # modules that register more subcommands
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,17 @@ def client_config(args: argparse.Namespace) -> int:
     settings = client_settings(config_from_args(args))
     sys.stdout.write(RENDERERS[args.client](settings))
     return 0
+
+
+# ----- tune (engine/tune.py) --------------------------------------------------------------------
+def _configure_tune(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    importlib.import_module("engine.tune").add_arguments(parser)
+
+
+@subcommand("tune", "time GEMV / flat GEMM / cuBLAS on this GPU; write the matmul crossover table", _configure_tune)
+def tune(args: argparse.Namespace) -> int:
+    return importlib.import_module("engine.tune").run(config_from_args(args), args)
 
 
 # ----- entry point -----------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def test_fdpp_overflow_is_counted_and_fallback_is_exact():
         counters: dict[str, float] = {}
         out = run_decode(backend, inputs, counters=counters)
         assert counters == {"fdpp_rows_checked": 12.0, "fdpp_fallback_rows": 12.0}
-        assert backend.read_counters() == counters
+        run_decode(backend, inputs, layer_idx=1, counters=counters)     # counts add up over layers
+        assert counters == {"fdpp_rows_checked": 24.0, "fdpp_fallback_rows": 24.0}
         assert torch.allclose(out, exact, atol=1e-5) == fallback
 
 
@@ -142,3 +143,17 @@ def test_calibrate_writes_a_loadable_phi_file(tmp_path):
     assert [layer["rows"] for layer in result["layers"]] == [4 * 41, 4 * 41]
     assert all(layer["fits_window"] and layer["rows_outside_window"] == 0 for layer in result["layers"])
     assert load_phi(path) == result["phi"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_fdpp_counts_on_the_device():
+    fd = FlashDecodingConfig(async_softmax=True, fixed_max_value=-500.0)
+    backend = make_attention_backend(fd, torch.device("cuda"), "auto")
+    assert backend.name.startswith("triton[")
+    inputs = [t.cuda() for t in decode_inputs()]
+    counters: dict[str, float] = {}
+    out = run_decode(backend, inputs, counters=counters)
+    assert int(counters["fdpp_fallback_rows"]) == 12 and counters["fdpp_rows_checked"] == 12
+    ref = decode_attention_ref(*inputs, scale=0.25)
+    assert float((out - ref).norm() / ref.norm()) < 5e-3
