@@ -169,7 +169,7 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
             timings, wall = run_requests(engine, prompts(r), args.max_tokens, bar.update)
             runs.append(_summarise_run(timings, wall))
     row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name,
-                           "overrides": VARIANTS[variant], "counters": dict(engine.attention_counters),
+                           "overrides": VARIANTS[variant], "counters": engine.stats().attention_counters,
                            # Must stay 0: a hit would skip prefill and shrink TTFT.
                            "prefix_cache_hits": engine.block_manager.prefix_cache_hits}
     row.update({k: _median([run[k] for run in runs]) for k in runs[0] if k != "tokens"})

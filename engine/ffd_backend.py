@@ -126,8 +126,10 @@ class FFDAttentionBackend(AttentionBackend):
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
         assert self.params is not None
+        # scores per query group: ~64 MB of fp32 on the CPU, 512 MB on a GPU (fewer, larger launches)
+        max_scores = 1 << 27 if q.device.type == "cuda" else 1 << 24
         return ffd_prefill_ref(q, k_cache, v_cache, self.pages_of(k_cache), block_tables, seq_lens,
-                               query_start_loc, scale=scale, params=self.params)
+                               query_start_loc, scale=scale, params=self.params, max_scores=max_scores)
 
 
 def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,

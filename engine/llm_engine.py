@@ -14,6 +14,7 @@ from engine.config import ConfigError, FdserveConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import select_device, select_dtype
 from engine.errors import ContextLengthExceeded
+from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestOutput
@@ -64,6 +65,8 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
         self.backend = self._make_backend()
         self.model = load_model(self.model_dir, self.dtype, self.device)
+        # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
+        configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
         block_size = config.backend.block_size
         # --- FFD (issue 5): a KV page is one quantization block (ffd_block_size) ---
         if getattr(self.backend, "page_size", None) and self.backend.page_size != block_size:

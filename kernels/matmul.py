@@ -90,7 +90,7 @@ def _store_or_stash(acc, offs_m, offs_n, M, N, B, Y, WS, pid_k, stride_ym,
 @triton.jit
 def _flat_gemm_kernel(X, W, B, Y, WS, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
                       k_per_split, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,7 +116,7 @@ def _flat_gemm_kernel(X, W, B, Y, WS, M, N, K, stride_xm, stride_xk, stride_wn, 
         if UPCAST:   # the interpreter mis-computes bf16 arithmetic
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        acc = tl.dot(x, w, acc)   # float32 inputs would run as tf32 on NVIDIA; decode runs bf16/fp16
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     _store_or_stash(acc, offs_m, offs_n, M, N, B, Y, WS, pid_k, stride_ym, HAS_BIAS, SPLIT)
@@ -221,6 +221,7 @@ def auto_split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
 
 
 def plan(impl: str, m: int, n: int, k: int, config: MatmulConfig, double_buffer: bool) -> LaunchPlan:
+    """Grid (N tiles, K splits, M tiles); splits own whole BLOCK_K tiles and none is empty."""
     tiles = triton.cdiv(k, config.block_k)
     k_per_split = triton.cdiv(tiles, min(config.split_k, tiles)) * config.block_k
     num_splits = triton.cdiv(k, k_per_split)
@@ -261,8 +262,7 @@ def _matmul(impl: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         _gemv_kernel[p.grid](*args, **common)
     else:
         upcast = interpreting() and x.dtype != torch.float32
-        _flat_gemm_kernel[p.grid](*args, UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                  **common)
+        _flat_gemm_kernel[p.grid](*args, UPCAST=upcast, **common)
     if split:
         _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
             ws, b, out, m, n, out.stride(0), SPLIT_K=p.num_splits, HAS_BIAS=bias is not None,

@@ -81,6 +81,18 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def assert_equal_or_near_tie(a, b, tol: float = 0.05) -> None:
+    """Greedy outputs agree, or first differ where the two candidates were within `tol` nats in
+    run `a` (a near-tie that float rounding, e.g. atomics' summation order, may flip)."""
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            top = dict(a.outputs[0].logprobs[i].top)
+            assert y in top and top[x] - top[y] < tol, (
+                f"outputs diverge at token {i} without a near-tie: {x} ({top.get(x)}) vs {y} ({top.get(y)})")
+            return
+    assert len(a.token_ids) == len(b.token_ids)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_engine_end_to_end_on_gpu(model_dir, variant):
     from engine import LLM, SamplingParams
@@ -88,12 +100,15 @@ def test_engine_end_to_end_on_gpu(model_dir, variant):
     llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_batched_tokens=512,
               num_kv_blocks=2048, **VARIANTS[variant])
     assert "triton" in llm.engine.backend.name
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (5, 17, 300, 1025, 64, 2000, 129, 900)]
     together = llm.generate(prompts, params)
     alone = [llm.generate(p, params)[0] for p in prompts]  # now with prefix-cache hits
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    for a, b in zip(together, alone):
+        assert_equal_or_near_tie(a, b)
+    exact = sum(a.token_ids == b.token_ids for a, b in zip(together, alone))
+    assert exact >= len(prompts) - 2, f"only {exact}/{len(prompts)} outputs identical"
     assert sum(r.num_cached_tokens for r in alone) > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

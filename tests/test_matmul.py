@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import layers
+from engine.config import FlashDecodingConfig
 from kernels import matmul_dispatch as dispatch
 from kernels.matmul import GEMV_MAX_M, MatmulConfig, default_config, flat_gemm, gemv, matmul_ref, plan
 from kernels.matmul_dispatch import CUBLAS, AdaptiveMatmul, Choice, MatmulTable, default_table_path, load_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative (Frobenius) error vs float64: fp32 is exact up to summation order in the interpreter
-# (tf32 on a GPU); half outputs add one rounding (2^-11 fp16, 2^-8 bf16).
+# (tf32 on a GPU); half outputs add one rounding (2^-11 fp16; 2^-8 bf16, which the interpreter truncates).
 TOL = {torch.float32: 1e-6 if DEVICE == "cpu" else 5e-3, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 N, K = 40, 200       # neither a multiple of the N tile (16) nor of the K tile (32)
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=32, split_k=1, num_stages=2)
@@ -195,8 +195,8 @@ def test_table_file_round_trip_and_errors(tmp_path, monkeypatch):
 
 # ----- linear layers -------------------------------------------------------------------------
 
-def fd(enable=True, adaptive=True, double_buffer=True):
-    return SimpleNamespace(enable=enable, adaptive_matmul=adaptive, double_buffer=double_buffer)
+def fd(enable=True, adaptive=True, double_buffer=True) -> FlashDecodingConfig:
+    return FlashDecodingConfig(enable=enable, adaptive_matmul=adaptive, double_buffer=double_buffer)
 
 
 @pytest.mark.parametrize("enable,adaptive,reason", [
