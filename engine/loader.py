@@ -287,14 +287,21 @@ def _write_tokenizer(gguf_path: Path, reader: Any, out_dir: Path) -> None:
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every *.safetensors file in `model_dir` (on CPU)."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {model_dir}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    total = sum(file.stat().st_size for file in files)
+    # Progress in bytes: an 8B model takes long enough to load that a silent start looks hung.
+    with tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="B", unit_scale=True,
+              disable=total < 256 << 20) as progress:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    progress.update(tensor.numel() * tensor.element_size())
+                    yield name, tensor
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
