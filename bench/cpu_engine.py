@@ -1,7 +1,7 @@
 """CPU tokens/s of our engine against transformers `generate` on the embedded default model.
 
 Batch 1 (one request) and N concurrent requests, greedy, same prompts, same run.
-    python -m bench.cpu_engine --tokens 64 --concurrency 8 --out bench/results/cpu_engine.json
+    python -m bench.cpu_engine --tokens 64 --concurrency 8 --threads 1 --out bench/results/cpu_engine.json
 """
 from __future__ import annotations
 
@@ -53,7 +53,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_engine.json"))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for both engines (default: torch's choice); 1 is "
+                             "steadier on a shared machine, where oversubscribed threads spin")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     llm = LLM()

@@ -78,7 +78,7 @@ class Sampler:
         if not sampled_rows:
             token_ids = x.argmax(dim=-1)
         else:
-            token_ids = torch.empty(len(seqs), dtype=torch.long)
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=x.device)
             greedy_rows = [i for i, p in enumerate(params) if p.greedy]
             if greedy_rows:
                 token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
@@ -130,13 +130,13 @@ class Sampler:
                 counts = torch.tensor(list(state.counts.values()), dtype=torch.float32)
                 sub_amount.append(counts * p.frequency_penalty + p.presence_penalty)
         flat = x.view(-1)  # ids are distinct within a row, so plain indexed writes are exact
-        if rep_idx:
-            idx, pen = torch.cat(rep_idx), torch.cat(rep_pen)
+        if rep_idx:  # statistics live on the CPU; the logits may be on the GPU
+            idx, pen = torch.cat(rep_idx).to(x.device), torch.cat(rep_pen).to(x.device)
             values = flat[idx]
             flat[idx] = torch.where(values > 0, values / pen, values * pen)
         if sub_idx:
-            idx = torch.cat(sub_idx)
-            flat[idx] = flat[idx] - torch.cat(sub_amount)
+            idx = torch.cat(sub_idx).to(x.device)
+            flat[idx] = flat[idx] - torch.cat(sub_amount).to(x.device)
         return x
 
     def _apply_logit_bias(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -149,7 +149,7 @@ class Sampler:
                     cols.append(token_id)
                     values.append(float(bias))
         if rows:
-            x[rows, cols] += torch.tensor(values)
+            x[rows, cols] += torch.tensor(values, device=x.device)
         return x
 
     def _min_tokens_bans(self, seqs: list[Sequence], width: int) -> list[tuple[int, int]]:
@@ -168,18 +168,19 @@ class Sampler:
         params = [s.params for s in seqs]
         # Unnormalised probabilities, largest exactly 1: every filter below and the draw work
         # relative to the row's total, so the softmax's normalising pass is never needed.
-        probs = x.div(torch.tensor([[p.temperature] for p in params]))
+        dev = x.device
+        probs = x.div(torch.tensor([[p.temperature] for p in params], device=dev))
         probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
         rows = [i for i, p in enumerate(params) if p.top_k > 0]
         if rows:
-            _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows]))
+            _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows], device=dev))
         rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if rows:
-            _in_rows(probs, rows, _top_p_, torch.tensor([[params[i].top_p] for i in rows]))
+            _in_rows(probs, rows, _top_p_, torch.tensor([[params[i].top_p] for i in rows], device=dev))
         rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
         if rows:  # the most likely token's weight is 1, so min_p is the floor itself
             _in_rows(probs, rows, lambda t, floor: t.masked_fill_(t < floor, 0.0),
-                     torch.tensor([[params[i].min_p] for i in rows]))
+                     torch.tensor([[params[i].min_p] for i in rows], device=dev))
         # Inverse-CDF draw with one uniform per row: several times cheaper on CPU than
         # torch.multinomial at vocabulary widths, and a seeded row takes exactly one number
         # from its own generator per step whatever else is in the batch.
@@ -187,6 +188,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 uniform[i] = torch.rand(1, generator=self._generator(seq))
+        uniform = uniform.to(dev)  # drawn on the CPU so seeded streams are device-independent
         cdf = probs.cumsum_(dim=-1)
         out = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
         return out.clamp_(max=cdf.shape[1] - 1)  # u * total may round up to total itself
@@ -207,7 +209,7 @@ class Sampler:
         if not rows:
             return {}
         logp = torch.log_softmax(_take(raw, rows).float(), dim=-1)
-        ids = torch.tensor([chosen_ids[i] for i in rows]).unsqueeze(1)
+        ids = torch.tensor([chosen_ids[i] for i in rows], device=logp.device).unsqueeze(1)
         chosen = logp.gather(1, ids).squeeze(1).tolist()
         k = min(max(params[i].logprobs for i in rows), logp.shape[1])
         top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
@@ -251,14 +253,14 @@ def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
     """
     rows, width = probs.shape
     goal = top_p * probs.sum(dim=-1, keepdim=True)
-    threshold = torch.empty(rows, 1)
-    pending = torch.arange(rows)
+    threshold = torch.empty(rows, 1, device=probs.device)
+    pending = torch.arange(rows, device=probs.device)
     k = min(64, width)
     while pending.numel():
         values = _take(probs, pending.tolist()).topk(k, dim=-1).values
         mass = values.cumsum(dim=-1)
         g = goal[pending]
-        done = (mass[:, -1:] >= g).squeeze(1) if k < width else torch.ones(len(pending), dtype=torch.bool)
+        done = (mass[:, -1:] >= g).squeeze(1) if k < width else torch.ones(len(pending), dtype=torch.bool, device=probs.device)
         n_keep = ((mass - values) < g).sum(dim=-1, keepdim=True)  # weight before it is short of goal
         threshold[pending[done]] = values.gather(1, n_keep - 1)[done]
         pending = pending[~done]

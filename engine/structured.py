@@ -98,4 +98,4 @@ class GrammarLogitsProcessor:
         allowed = np.unpackbits(packed, bitorder="little")[:self._vocab_size].astype(bool)
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
         mask[:allowed.size] = torch.from_numpy(allowed)[:logits.shape[-1]]
-        return logits.masked_fill(~mask, float("-inf"))
+        return logits.masked_fill(~mask.to(logits.device), float("-inf"))

@@ -112,3 +112,21 @@ def test_engine_end_to_end_on_gpu(model_dir, variant):
     assert sum(r.num_cached_tokens for r in alone) > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_sampling_features_on_gpu(model_dir):
+    """Every sampler feature runs with GPU logits; seeded requests repeat; greedy is argmax."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=512)
+    prompt = [list(range(3, 40))]
+    rich = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, presence_penalty=0.5,
+                          frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={7: 3.0}, seed=11,
+                          logprobs=3, max_tokens=12, min_tokens=4, ignore_eos=True, n=2)
+    first = llm.generate(prompt, rich)[0]
+    again = llm.generate(prompt, rich)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert all(len(c.token_ids) == 12 and len(c.logprobs) == 12 for c in first.outputs)
+    assert all(len(lp.top) == 3 and lp.logprob <= 0.0 for c in first.outputs for lp in c.logprobs)
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))[0]
+    assert all(lp.top[0][0] == t for lp, t in zip(greedy.outputs[0].logprobs, greedy.token_ids))
