@@ -94,7 +94,7 @@ class Case:
             u = self.q[b].reshape(self.hkv, group, -1).mean(1)
             u = u / u.norm(dim=-1, keepdim=True)                       # [Hkv, D]
             proj = (self.q[b].reshape(self.hkv, group, -1) @ u[..., None]).squeeze(-1).min(1).values.clamp_min(0.5)
-            amp = lambda logit: (logit / (proj * scale))[:, None]      # noqa: E731  [Hkv, 1]
+            amp = lambda logit, proj=proj: (logit / (proj * scale))[:, None]   # noqa: E731  [Hkv, 1]
             page, row = self._tokens(b, torch.arange(min(4, n), device=DEV))
             self.k[page, row] = (amp(12.0) * u)[None].expand(len(page), -1, -1)
             lo = max(0, n - 128)
@@ -331,8 +331,9 @@ def run_crossover(timer, gen) -> dict:
         for batch in (1, 8):
             case = Case([length] * batch, 32, 8, 128, gen, f_hot=0.2)
             s = sparsity(case, params())
-            rows.append({"L": length, "B": batch, "sparsity": s, "ffd_us": timer(lambda: ffd(case, params())),
-                         "flash_us": timer(lambda: flash(case))})
+            rows.append({"L": length, "B": batch, "sparsity": s,
+                         "ffd_us": timer(lambda case=case: ffd(case, params())),
+                         "flash_us": timer(lambda case=case: flash(case))})
             print("crossover", json.dumps(rows[-1]), flush=True)
     wins = {r["L"] for r in rows if r["ffd_us"] < r["flash_us"]}
     lengths = sorted({r["L"] for r in rows})
@@ -346,7 +347,7 @@ def dump_real(length: int, layers: list[int]) -> None:
     """Run the embedded model densely over `length` tokens of real text; keep q (last 8 positions),
     K and V of a few layers in bf16 (about 3 MB per layer at 8K)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ffd_quality import TEXT, Runner, load_model, resolve_model_dir, Tokenizer  # noqa: F401
+    from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
     from engine.attention import AttentionBackend
     import gzip
     model_dir = resolve_model_dir(None)

@@ -159,7 +159,7 @@ def generate(model_dir, ids, n, fd: dict) -> list[int]:
     return llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
 
 
-def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas) -> list[dict]:
+def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas, depths=(0.1, 0.5, 0.9)) -> list[dict]:
     from engine import LLM, SamplingParams
     results = []
     engines = {"dense": LLM(model=str(model_dir), kernel="flash", cpu_kv_cache_bytes=1 << 30)}
@@ -167,7 +167,9 @@ def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas) -> list
         engines[f"ffd_d{d:g}"] = LLM(model=str(model_dir), kernel="ffd", delta=d, ffd_block_size=BS,
                                      cpu_kv_cache_bytes=1 << 30)
     filler_ids = tok.encode(filler)
-    for depth, key in ((0.1, "71432"), (0.5, "40596"), (0.9, "28317")):
+    keys = {0.1: "71432", 0.5: "40596", 0.9: "28317"}
+    for depth in depths:
+        key = keys[depth]
         needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
         body = filler_ids[:length - 80]
         cut = int(len(body) * depth)
@@ -185,7 +187,7 @@ def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas) -> list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--deltas", type=float, nargs="+", default=[3.0, 5.0, 7.0])
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--probes", type=int, default=16)
@@ -193,6 +195,7 @@ def main() -> None:
     ap.add_argument("--generate-contexts", type=int, nargs="*", default=None)
     ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
     ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
+    ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], choices=[0.1, 0.5, 0.9])
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -247,14 +250,14 @@ def main() -> None:
         out_path.write_text(json.dumps(report, indent=1))
     if args.passkey:
         filler = text[len(text) // 3:]
-        report["passkey"] = {str(n): passkey(model_dir, tok, filler, n, args.passkey_deltas)
+        report["passkey"] = {str(n): passkey(model_dir, tok, filler, n, args.passkey_deltas, args.passkey_depths)
                              for n in args.passkey}
         out_path.write_text(json.dumps(report, indent=1))
     print_table(report, args.deltas)
 
 
 def summarise(layers, delta):
-    rows = [layer[delta] for layer in layers]
+    rows = [layer[delta] if delta in layer else layer[str(delta)] for layer in layers]   # JSON keys are str
     med = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
     return dict(sparsity=sum(r["sparsity"] for r in rows) / len(rows),
                 recall=min(r["recall"] for r in rows), dropped_median=med([r["dropped_median"] for r in rows]),

@@ -12,7 +12,9 @@ prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a 
 "auto": queries whose context is shorter than a crossover length attend densely over the exact
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
 use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
-CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess).
+CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess). Where the
+measurement found FFD never faster (the H200 today), "auto" builds the plain Flash-Decoding
+backend and says so at startup.
 
 Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
 (KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
@@ -33,9 +35,14 @@ from kernels.ffd_reference import FFDParams, QuantizedPages, ffd_decode_ref, ffd
 
 logger = logging.getLogger(__name__)
 
-# GPU name (torch.cuda.get_device_name) -> context length from which FFD (δ = 5 nats, BS = 128)
-# beats our dense Flash-Decoding at batch 1 and 8; from bench/results/ffd_kernels.json.
-CROSSOVER_TOKENS: dict[str, int] = {}
+# GPU name (torch.cuda.get_device_name) -> the context length from which our FFD kernel (δ = 5
+# nats, BS = 128) beats our dense Flash-Decoding kernel at batch 1 and 8, measured by
+# `bench/ffd_kernels.py --crossover`. None = measured, and FFD was never faster in the sweep
+# (1K..32K tokens, synthetic blocks at sparsity 0.6-0.8): "auto" then runs dense everywhere.
+CROSSOVER_TOKENS: dict[str, int | None] = {
+    "NVIDIA H200": None,   # bench/results/ffd_kernels.json, 2026-11-30 (FFD 1.6-3.5x slower up to 32K)
+}
+NEVER = 2**31 - 1
 
 
 def params_from_config(fd: Any, min_ffd_len: int = 0) -> FFDParams:
@@ -52,7 +59,8 @@ def crossover_for(device: torch.device) -> int:
         raise ValueError(f"[flashdecoding] kernel = \"auto\" needs a measured FFD crossover context length "
                          f"for {name!r} (stored: {known}); run `python bench/ffd_kernels.py --crossover` "
                          f"on this GPU, or set kernel = \"ffd\" or \"flash\"")
-    return CROSSOVER_TOKENS[name]
+    measured = CROSSOVER_TOKENS[name]
+    return NEVER if measured is None else measured
 
 
 def _check_gpu(device: torch.device, vendor: str) -> None:
@@ -68,8 +76,9 @@ def _check_gpu(device: torch.device, vendor: str) -> None:
 @dataclass
 class FFDAttentionBackend(AttentionBackend):
     params: FFDParams | None = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     num_splits: int = 0
+    triton: bool = False                                     # Triton store/decode (GPU; the interpreter in tests)
     cache: FFDKeyCache | None = None
     layer_of: dict[int, int] = field(default_factory=dict)   # K page tensor address -> layer
 
@@ -100,7 +109,7 @@ class FFDAttentionBackend(AttentionBackend):
     # ----- the three attention functions ---------------------------------------------------
     def _store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         pages = self.pages_of(k_cache)
-        if k_cache.device.type == "cuda":
+        if self.triton:
             from kernels import store_kv
             from kernels.ffd import quantize_on_write
             store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -112,7 +121,7 @@ class FFDAttentionBackend(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
         pages = self.pages_of(k_cache)
         assert self.params is not None
-        if q.device.type == "cuda":
+        if self.triton:
             from kernels.ffd import ffd_decode
             stats = torch.zeros(2, dtype=torch.int64, device=q.device)
             out = ffd_decode(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
@@ -143,18 +152,22 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
     min_len = 0
     if fd.kernel == "auto":
         min_len = crossover if crossover is not None else crossover_for(device)
+        if min_len >= NEVER:   # measured: FFD never wins here, so "auto" is plain Flash-Decoding
+            from engine.attention_backends import make_attention_backend
+            logger.info("[flashdecoding] kernel = \"auto\": FFD was never faster than Flash-Decoding on this GPU "
+                        "when measured (engine/ffd_backend.py CROSSOVER_TOKENS); running kernel = \"flash\"")
+            return make_attention_backend(fd.model_copy(update={"kernel": "flash"}), device, vendor)  # type: ignore
     params = params_from_config(fd, min_len)
     if params.sink_tokens == 0 and params.local_window == 0:
         logger.warning("[flashdecoding] sink_tokens = local_window = 0: no pseudo-max, so FFD keeps every block")
     units = f"δ = {fd.delta:g} ({'natural log' if fd.delta_units == 'e' else 'log2'} units, "
     units += f"{params.delta_log2:.3f} in log2)"
     where = "triton decode, torch prefill (FFD rule)" if on_gpu else "torch reference (cpu)"
-    mode = (f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there"
-            if fd.kernel == "auto" else "FFD")
+    mode = f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there" if fd.kernel == "auto" else "FFD"
     name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
             f"{params.block_size}, top-δ per GQA group, {units}, sinks {params.sink_tokens}, "
             f"local window {params.local_window}; exact K/V kept too: saves read bandwidth, not memory)")
-    backend = FFDAttentionBackend(name=name, params=params, device=device,
+    backend = FFDAttentionBackend(name=name, params=params, device=device, triton=on_gpu,
                                   num_splits=int(getattr(fd, "num_splits", 0) or 0))
     backend.decode = backend._decode
     backend.store_kv = backend._store

@@ -2,19 +2,20 @@
 accumulate, exact tail) with a split-KV log-sum-exp merge. The rule and the key format are those
 of `kernels/ffd_reference.py` (its docstring is the specification); this file only makes it fast.
 
-Decode: one program per (sequence, KV head, split) owns the G query heads of its KV head as the
-rows of one tile (padded to 16 for `tl.dot`), so every byte is read once per step:
-  1. pseudo-max m per row over the sink and local-window tokens (refined keys in full blocks,
-     exact keys in the tail). Every split computes it from the same few blocks (no extra launch,
-     no cross-program sync); the threshold is th = m - δ (log2 units).
-  2. its contiguous range of full blocks: 2-bit scan as four [rows x D/4] x [D/4 x BS] dots, one
-     per code plane (`(byte >> 2j) & 3` is channel range j, so no shuffles); the block is kept
-     when any row's block max reaches its threshold, or it overlaps the sinks or the window;
-     only kept blocks read their FP8 residual and V (online softmax in base 2).
-  3. the last split also attends the exact tail (tokens past the last full block).
-  4. `_merge_kernel`: log-sum-exp merge of the splits in split order (deterministic).
-Ranges: blocks per split = ceil(full blocks / splits) over exactly `splits` programs, so no block
-is skipped at any length (the official code's I5). Lengths are read on the device: graph-safe.
+Decode, three launches, all with static grids and device-side lengths (graph-safe):
+  1. `_pseudo_max_kernel` (sequence, KV head, part): each part is one sink block, one window block
+     or the exact tail; it writes its row max over the sink / local-window tokens (refined keys in
+     full blocks, exact keys in the tail). The threshold is th = max over parts - δ (log2 units).
+  2. `_ffd_split_kernel` (sequence, KV head, split): the G query heads of a KV head are the rows of
+     one tile (padded to 16 for `tl.dot`), so every byte is read once per step. Each split walks
+     a contiguous range of full blocks: 2-bit scan as four [rows x D/4] x [D/4 x BS] dots, one per
+     code plane (`(byte >> 2j) & 3` is channel range j, so no shuffles); a block is kept when any
+     row's block max reaches its threshold, or it overlaps the sinks or the window; only kept
+     blocks read their FP8 residual and V (online softmax in base 2). Split 0 also attends the
+     exact tail (tokens past the last full block).
+  3. `_merge_kernel` (sequence, query head): log-sum-exp merge of the used splits.
+Ranges: blocks per split = max(ceil(full blocks / splits), MIN_PER_SPLIT) and the merge uses the
+same formula, so no block is skipped or counted twice at any length (the official code's I5).
 "auto": a sequence shorter than `min_ffd_len` runs the same grid over its exact keys (dense
 split-KV, i.e. Flash-Decoding), per sequence, so mixed batches need no host decision.
 

@@ -35,7 +35,7 @@ def test_quantize_on_write_is_bit_exact():
     k = torch.randn(5, bs, heads, dim, generator=gen) * torch.linspace(0.01, 30, dim)
     k[1, :, 0, 3] = 0.0                                          # an all-zero channel
     k = k.to(DEV)
-    mine, ref = empty_pages(5, bs, heads, dim, DEV), empty_pages(5, bs, heads, dim, DEV)
+    mine = empty_pages(5, bs, heads, dim, DEV)
     # a prefill chunk filling pages 3 and 1 and half of page 4, then a decode token filling page 2
     slots = torch.cat([torch.arange(3 * bs, 4 * bs), torch.arange(bs, 2 * bs), torch.arange(4 * bs, 4 * bs + 30),
                        torch.tensor([-1, 3 * bs - 1])]).to(DEV)
@@ -124,3 +124,41 @@ def test_auto_rows_below_the_crossover_are_dense():
                          stats=ref_stats)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
     assert stats.tolist() == [ref_stats["ffd_blocks_total"], ref_stats["ffd_blocks_kept"]] and stats[0] == 10
+
+
+def test_backend_glue_triton_equals_reference():
+    """The engine backend's Triton path (store, quantize on write, decode, counters) against its
+    torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
+    from engine.config import FlashDecodingConfig
+    from engine.ffd_backend import make_ffd_backend
+    fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
+    gen = torch.Generator().manual_seed(2)
+    backends = [make_ffd_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
+    backends[1].triton = True
+    kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
+    for backend, cache in zip(backends, kv):
+        backend.allocate_cache(cache)
+    lens = [200, 130, 63]
+    tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
+    slot = lambda b, p: int(tables[b, p // 64]) * 64 + p % 64        # noqa: E731
+    slots = torch.tensor([slot(b, p) for b, n in enumerate(lens) for p in range(n)], device=DEV)
+    k = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
+    v = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
+    outs, counters = [], []
+    for backend, cache in zip(backends, kv):
+        backend.store_kv(k, v, cache[0, 0], cache[1, 0], slots)
+        steps, c = [], {}
+        for step in range(2):                                        # the 63-token sequence fills its page
+            new = torch.tensor([slot(b, n + step) for b, n in enumerate(lens)], device=DEV)
+            g = torch.Generator().manual_seed(10 + step)
+            backend.store_kv(torch.randn(3, 2, 64, generator=g).to(DEV), torch.randn(3, 2, 64, generator=g).to(DEV),
+                             cache[0, 0], cache[1, 0], new)
+            seq = torch.tensor([n + step + 1 for n in lens], dtype=torch.int32, device=DEV)
+            q = torch.randn(3, 8, 64, generator=g).to(DEV)
+            steps.append(backend.decode(q, cache[0, 0], cache[1, 0], tables, seq, scale=0.125, layer_idx=0,
+                                        counters=c))
+        outs.append(torch.stack(steps).cpu())
+        counters.append({key: float(val) for key, val in c.items()})
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert counters[1] == counters[0] and counters[0]["ffd_blocks_total"] == 2 * 2 * (3 + 2 + 1)
+    assert torch.equal(backends[1].cache.codes, backends[0].cache.codes)

@@ -120,7 +120,7 @@ def test_masks_and_output_match_independent_loops(group, dim):
 def test_prefill_applies_the_decode_rule_to_every_query():
     bs = 16
     length = bs * 6 + 7
-    q_all, k, v, qp, tables, _ = paged_case([length], bs=bs, kv_heads=2, group=2, dim=32, seed=5)
+    _, k, v, qp, tables, _ = paged_case([length], bs=bs, kv_heads=2, group=2, dim=32, seed=5)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(length, 4, 32, generator=gen)
     p = params(bs=bs, delta_log2=2.0, sink=1, window=5)
