@@ -310,7 +310,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int, max_toke
                                    "(default: the config's, else the embedded default)")
     p.add_argument("--config", help="config.toml (default: $FDSERVE_CONFIG, else ./config.toml if present)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override applied to every variant, e.g. --set backend.cuda_graphs=false")
+                   help="config override applied to every variant, e.g. --set backend.block_size=32")
     p.add_argument("--variants", type=_variant_list, default=["standard", "flash"],
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: standard,flash)")
     p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens per request")

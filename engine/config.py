@@ -44,7 +44,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_context_len: int | None = Field(None, ge=16, description="default: the model's own")
     max_new_tokens: int = Field(4096, ge=1, description="cap and default for max_tokens")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the sampler's shared RNG at startup (requests without a seed)")
 
 
 class FlashDecodingConfig(_Section):
@@ -72,10 +72,25 @@ class BackendConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     cpu_threads: int | None = Field(None, ge=1)
+
+    @field_validator("cuda_graphs")
+    @classmethod
+    def _no_graphs_yet(cls, value: bool) -> bool:
+        if value:  # refused rather than ignored: no setting may be silently without effect
+            raise ValueError("CUDA-graph capture of the decode step is not implemented in this version; "
+                             "set cuda_graphs = false (decode runs eagerly)")
+        return value
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_device(cls, value: int) -> int:
+        if value != 1:  # the layers are written for sharding; the process group is not wired yet
+            raise ValueError("only tensor_parallel_size = 1 is supported in this version")
+        return value
 
     @field_validator("block_size")
     @classmethod

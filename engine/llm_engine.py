@@ -53,6 +53,7 @@ class LLMEngine:
     def __init__(self, config: FdserveConfig) -> None:
         self.config = config
         self.device, self.vendor = select_device(config.backend.gpu_vendor)
+        torch.manual_seed(config.model.seed)  # the sampler's draws for requests without a seed
         if config.backend.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(config.backend.cpu_threads)
         self.model_dir: Path = resolve_model_dir(config.model.name)
