@@ -112,10 +112,11 @@ class LLMEngine:
         if backend.num_kv_blocks:
             return backend.num_kv_blocks
         if self.device.type == "cuda":
+            # kv_cache_ratio of what is free once the weights are in and a full step's
+            # activations (measured by a profiling forward) are set aside.
             peak = self.runner.profile_peak_bytes(backend.max_num_batched_tokens)
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = int(total * backend.kv_cache_ratio) - used_by_others - peak
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int((free - peak) * backend.kv_cache_ratio)
         else:
             budget = int(backend.cpu_kv_cache_bytes * backend.kv_cache_ratio)
         # More than every running sequence at full context could ever use is wasted memory.

@@ -78,18 +78,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:
-        """Run one dummy prefill of `num_tokens` on a one-block cache; peak activation bytes (GPU)."""
+        """Peak activation bytes of one dummy prefill of `num_tokens` (0 on CPU).
+
+        Measured above what is allocated before the forward (weights, the small profiling cache),
+        so only what a full step adds on top is counted."""
         self.allocate_kv_cache(max(1, -(-num_tokens // self.block_size)))
         seq = Sequence("profile", [0] * num_tokens, _dummy_params())
         seq.block_table = list(range(self.num_blocks))
         seq.num_scheduled_tokens = num_tokens
-        if self.device.type == "cuda":
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
         self.execute([seq])
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        peak = torch.cuda.max_memory_allocated(self.device) - base if on_gpu else 0
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
+        if on_gpu:
+            torch.cuda.empty_cache()  # so that mem_get_info sees the profiling memory as free again
         return peak
 
     def prepare(self, seqs: list[Sequence]) -> StepInputs:

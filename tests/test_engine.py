@@ -90,3 +90,13 @@ def test_context_length_is_enforced(tiny_dir):
         llm.generate([list(range(3, 70))], GREEDY)
     out = llm.generate([list(range(3, 60))], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 64 - 57
+
+
+def test_profiling_forward_runs_and_releases_its_cache(tiny_dir):
+    llm = make_llm(tiny_dir)
+    runner = llm.engine.runner
+    num_blocks = runner.num_blocks
+    assert runner.profile_peak_bytes(100) == 0  # activations are only measured on a GPU
+    assert runner.kv_cache is None and all(layer.k_cache is None for layer in runner.attention_layers)
+    runner.allocate_kv_cache(num_blocks)
+    assert llm.generate(prompts(2), GREEDY)[1].finish_reason == "length"
