@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernels import Timer, copy_bandwidth, time_sdpa  # noqa: E402
 from kernels.ffd_reference import FFDParams, QuantizedPages, dequantize_blocks_ref, ffd_decode_ref, quantize_blocks_ref  # noqa: E402
 
 BS = 128
@@ -217,47 +217,6 @@ def run_checks(gen, smoke=False) -> list[dict]:
     return rows
 
 
-# ----- timing -------------------------------------------------------------------------------------
-
-class Timer:
-    """Median µs of a CUDA-graph replay of `fn`, L2 cleaned (a 256 MB read) before each replay."""
-
-    def __init__(self) -> None:
-        self.buf = torch.empty(64 * 1024**2, dtype=torch.float32, device=DEV).normal_()
-        self.sink = torch.empty((), dtype=torch.float32, device=DEV)
-
-    def __call__(self, fn, reps: int = 100) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps + 5):
-            torch.sum(self.buf, dim=0, out=self.sink)
-            if i >= 5:
-                starts[i - 5].record()
-            graph.replay()
-            if i >= 5:
-                ends[i - 5].record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        return 1000 * times[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    import triton
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def sparsity(case, p) -> float:
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
     ffd(case, p, stats=stats)
@@ -265,22 +224,10 @@ def sparsity(case, p) -> float:
     return 1 - kept / max(1, total)
 
 
-def time_sdpa(timer, case) -> tuple[float, str]:
-    """The fastest torch SDPA backend (cuDNN, flash, efficient) on contiguous [B, Hkv, L, D] K/V."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def sdpa_on_case(timer, case) -> tuple[float, str]:
+    """The fastest torch SDPA backend on the case's K/V made contiguous [B, Hkv, L, D]."""
     k, v = case.contiguous()
-    q4 = case.q[:, :, None, :]
-    best = (float("inf"), "none")
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def fn(backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q4, k, v, scale=case.dim ** -0.5, enable_gqa=True)
-        try:
-            best = min(best, (timer(fn), name))
-        except RuntimeError:
-            continue
-    return best
+    return time_sdpa(timer, case.q, k, v, scale=case.dim ** -0.5)
 
 
 def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
@@ -290,7 +237,7 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
     row["ffd_us"] = timer(lambda: ffd(case, p))
     row["flash_us"] = timer(lambda: flash(case))
     if with_sdpa:
-        row["sdpa_us"], row["sdpa_backend"] = time_sdpa(timer, case)
+        row["sdpa_us"], row["sdpa_backend"] = sdpa_on_case(timer, case)
     d = case.dim
     ffd_bytes = case.dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - s) * 3 * d) / (4 * d)
     row["bound_us"] = ffd_bytes / bw * 1e6

@@ -157,7 +157,7 @@ def sdpa_backends():
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def time_sdpa(timer, q, k, v, flush) -> tuple[float, str]:
+def time_sdpa(timer, q, k, v, flush: str = "clean", scale: float = SCALE) -> tuple[float, str]:
     """Fastest torch SDPA backend that runs GQA decode on contiguous [B, Hkv, L, D] KV."""
     from torch.nn.attention import sdpa_kernel
     best = (float("inf"), "none")
@@ -167,7 +167,7 @@ def time_sdpa(timer, q, k, v, flush) -> tuple[float, str]:
             continue
         def fn(backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q4, k, v, scale=SCALE, enable_gqa=True)
+                return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
         try:
             best = min(best, (timer(fn, flush), name))
         except RuntimeError:

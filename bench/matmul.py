@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernels import copy_bandwidth  # noqa: E402
 from engine.tune import DEFAULT_MS, GraphTimer, tune_shapes  # noqa: E402
 from kernels.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
 from kernels.matmul_dispatch import AdaptiveMatmul, MatmulTable, default_table_path, load_table  # noqa: E402
@@ -36,14 +37,6 @@ DEFAULT_M = sorted({*range(1, 17), *DEFAULT_MS})
 MAX_REL_ERR = 1e-2
 GOAL_SPEEDUP = 1.3            # flat/adaptive vs cuBLAS on qkv and o at M <= 16
 GOAL_ADAPTIVE_SLOWDOWN = 1.03  # adaptive / cuBLAS at every M <= 256
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth, bytes read + written per second (the floor's yardstick)."""
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = GraphTimer(reps=20, min_calls=4)(lambda _: dst.copy_(src), 1) / 1000
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def get_table(path: str | None, quick: bool) -> tuple[MatmulTable, str]:

@@ -22,6 +22,8 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STATS_PERIOD_S = 0.05  # /metrics reads a snapshot at most this old while busy; idle refreshes it at once
+
 
 @dataclass
 class _Stream:
@@ -146,6 +148,7 @@ class AsyncEngine:
                 self.engine.abort(message[1])
 
     def _loop(self) -> None:
+        stats_at = 0.0
         try:
             while not self._stopping:
                 self._drain_inbox()
@@ -156,7 +159,9 @@ class AsyncEngine:
                     continue
                 for output in self.engine.step():
                     self._deliver(output.request_id, output)
-                self._stats = self.engine.stats()
+                now = time.monotonic()
+                if now - stats_at >= STATS_PERIOD_S:  # a snapshot per scrape interval, not per step
+                    self._stats, stats_at = self.engine.stats(), now
         except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
             logger.exception("engine loop failed")
             self._dead = exc

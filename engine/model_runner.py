@@ -122,9 +122,9 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(seq)
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        # One tensor from padded lists: a per-row tensor and copy costs more than the row itself.
+        block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
+                                    dtype=torch.int32)
         dev = self.device
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
         metadata = AttentionMetadata(

@@ -125,6 +125,8 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: set[int] = eos
+        # len() of a HF tokenizer rebuilds its added-token map: read it once, callers check per token.
+        self.vocab_size: int = len(hf_tokenizer)  # includes added tokens, unlike hf.vocab_size
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -136,10 +138,6 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(folder))
         extra = _eos_ids_from_json(folder / "generation_config.json") | _eos_ids_from_json(folder / "config.json")
         return cls(hf, extra)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)  # includes added tokens, unlike hf.vocab_size
 
     @property
     def bos_token_id(self) -> int | None:

@@ -25,13 +25,6 @@ from server.streaming import DONE, sse, sse_error
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    try:  # raw text prompts get the model's BOS, as the model saw in training
-        return list(tokenizer.encode(text, add_special_tokens=True))
-    except TypeError:
-        return list(tokenizer.encode(text))
-
-
 class CompletionRun:
     def __init__(self, state: ServerState, req: CompletionRequest) -> None:
         self.state = state
@@ -53,7 +46,8 @@ class CompletionRun:
             raise bad_request("prompt must not be empty", "prompt")
         ids = []
         for item in batch:
-            tokens = _encode(tokenizer, item) if isinstance(item, str) else list(item)
+            # raw text prompts get the model's BOS, as the model saw in training
+            tokens = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
             if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
                 raise bad_request("prompt contains a token id outside the vocabulary", "prompt")
             ids.append(tokens)

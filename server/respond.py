@@ -1,7 +1,7 @@
 """What chat and legacy completions share: running a prepared request and answering it."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -11,6 +11,8 @@ from server.errors import APIError
 from server.generation import ClientDisconnected, Generation, log_rejected, until_disconnected
 from server.state import ServerState
 from server.streaming import SSEResponse
+
+T = TypeVar("T")
 
 CLIENT_CLOSED = 499  # logged and counted, never sent: nobody is listening any more
 # How long a stream waits for its first output before opening: enough for the engine to accept
@@ -43,6 +45,18 @@ def choice_error(delta: CompletionDelta, error: str | None) -> APIError | None:
     return None
 
 
+async def _unless_disconnected(request: Request, gen: Generation, work: Awaitable[T]) -> tuple[T | None, Response | None]:
+    """(result, None), or (None, the response for a client that left); API errors are logged, re-raised."""
+    try:
+        return await until_disconnected(request, work), None
+    except ClientDisconnected:
+        gen.log(CLIENT_CLOSED, error="client disconnected")
+        return None, Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:
+        gen.log(exc.status, error=exc.message)
+        raise
+
+
 async def respond(request: Request, state: ServerState, run: Run, route: str, stream: bool) -> Response:
     """Validate and start (errors are HTTP errors), then stream or collect the answer."""
     try:
@@ -50,25 +64,16 @@ async def respond(request: Request, state: ServerState, run: Run, route: str, st
     except APIError as exc:
         log_rejected(state.metrics, route, run.id, exc)
         raise
-    try:
-        await until_disconnected(request, gen.start(STREAM_OPEN_GRACE_S if stream else None))
-    except ClientDisconnected:
-        gen.log(CLIENT_CLOSED, error="client disconnected")
-        return Response(status_code=CLIENT_CLOSED)
-    except APIError as exc:
-        gen.log(exc.status, error=exc.message)
-        raise
+    _, closed = await _unless_disconnected(request, gen, gen.start(STREAM_OPEN_GRACE_S if stream else None))
+    if closed is not None:
+        return closed
     if stream:
         return SSEResponse(run.events(gen), on_close=gen.aclose)
     try:
-        body = await until_disconnected(request, run.collect(gen))
-    except ClientDisconnected:
-        gen.log(CLIENT_CLOSED, error="client disconnected")
-        return Response(status_code=CLIENT_CLOSED)
-    except APIError as exc:
-        gen.log(exc.status, error=exc.message)
-        raise
+        body, closed = await _unless_disconnected(request, gen, run.collect(gen))
     finally:
         await gen.aclose()
+    if closed is not None:
+        return closed
     gen.log(200, [c["finish_reason"] for c in body["choices"]])
     return JSONResponse(body)

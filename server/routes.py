@@ -113,10 +113,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         plan = plan_tools(probe, template_info(engine.tokenizer))
         tokens = encode_prompt(engine, render_chat(engine, req.messages, plan, req.add_generation_prompt))
     elif req.prompt is not None:
-        try:
-            tokens = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        except TypeError:
-            tokens = list(engine.tokenizer.encode(req.prompt))
+        tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         raise bad_request("send either prompt or messages", "prompt")
     return {"count": len(tokens), "max_model_len": engine.max_context_len, "tokens": tokens}
