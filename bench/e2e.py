@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +48,8 @@ class RequestTiming:
     ttft_s: float
     total_s: float
     tokens: int
+    # (seconds since submission, tokens) of every step that produced tokens for this request
+    events: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def tpot_ms(self) -> float | None:
@@ -90,6 +92,7 @@ def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens = dict.fromkeys(ids, 0)
+    events: dict[str, list[tuple[float, int]]] = {i: [] for i in ids}
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()
@@ -98,11 +101,21 @@ def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
             if new:
                 first.setdefault(out.request_id, now)
                 tokens[out.request_id] += new
+                events[out.request_id].append((now - start, new))
                 on_tokens(new)
             if out.finished:
                 last[out.request_id] = now
     wall = time.perf_counter() - start
-    return [RequestTiming(first[i] - start, last[i] - start, tokens[i]) for i in ids], wall
+    return [RequestTiming(first[i] - start, last[i] - start, tokens[i], events[i]) for i in ids], wall
+
+
+def steady_decode_tok_s(timings: list[RequestTiming]) -> float | None:
+    """Generated tokens/s once every request has its first token (no prefill left in the batch):
+    tokens produced after the last first token, over the time from then to the last finish."""
+    since = max(t.ttft_s for t in timings)
+    end = max(t.total_s for t in timings)
+    produced = sum(n for t in timings for at, n in t.events if at > since)
+    return produced / (end - since) if end > since and produced else None
 
 
 def build_llm(config: Any, variant: str) -> Any:
@@ -145,6 +158,25 @@ def measure_variant(config: Any, variant: str, args: argparse.Namespace) -> dict
         return {"name": variant, "available": False, "reason": f"{type(exc).__name__}: {exc}"}
 
 
+def measure_hf_baseline(config: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """transformers `generate` on the engine's model folder, dtype and device, same prompts."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from bench.hf_generate import measure_transformers
+    from engine.device import select_device, select_dtype
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(config.model.name)
+    device, _ = select_device(config.backend.gpu_vendor)
+    dtype = select_dtype(config.model.dtype, device, getattr(AutoConfig.from_pretrained(model_dir), "torch_dtype", None))
+    prompts = _prompt_maker(SimpleNamespace(tokenizer=Tokenizer.from_pretrained(model_dir)), args)
+    return measure_transformers(model_dir, dtype, device, [prompts(r)[0] for r in range(args.repeat)],
+                                args.max_tokens)
+
+
 def _prompt_maker(engine: Any, args: argparse.Namespace) -> Callable[[int], list[list[int]]]:
     """round index -> that round's prompts (one for latency, --num-requests for concurrency)."""
     tok = engine.tokenizer
@@ -182,6 +214,7 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
 def _summarise_run(timings: list[RequestTiming], wall: float) -> dict[str, Any]:
     tokens = sum(t.tokens for t in timings)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "decode_tok_s": steady_decode_tok_s(timings),
             "ttft_ms": statistics.mean(t.ttft_s for t in timings) * 1e3,
             "total_ms": statistics.mean(t.total_s for t in timings) * 1e3,
             "tpot_ms": _median([t.tpot_ms for t in timings])}
@@ -231,6 +264,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     for text in warnings:
         print(f"warning: {text}", file=sys.stderr)
     rows = [measure_variant(config, v, args) for v in args.variants]
+    if getattr(args, "transformers", False):
+        rows.append(measure_hf_baseline(config, args))
     add_ratios(rows, args.mode)
     settings = {k: getattr(args, k) for k in ("context_len", "max_tokens", "repeat", "warmup", "seed")}
     if args.mode == "concurrency":
@@ -275,7 +310,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def format_table(result: dict[str, Any]) -> str:
     latency = result["mode"] == "latency"
     head = (["variant", "ms/token", "min-max", "speedup", "TTFT ms", "total ms", "tokens"] if latency else
-            ["variant", "tok/s", "speedup", "wall s", "tokens", "TTFT ms", "ms/token"])
+            ["variant", "tok/s", "decode tok/s", "speedup", "wall s", "tokens", "TTFT ms", "ms/token"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["variants"]:
         if not r["available"]:
@@ -285,7 +320,8 @@ def format_table(result: dict[str, Any]) -> str:
         spread = "-" if not r.get("tpot_ms_range") else "{:.2f}-{:.2f}".format(*r["tpot_ms_range"])
         cells = ([_fmt(r["tpot_ms"], ".2f"), spread, speed, _fmt(r["ttft_ms"], ".1f"), _fmt(r["total_ms"], ".1f"),
                   str(r["tokens"])] if latency else
-                 [_fmt(r["tok_s"], ".1f"), speed, _fmt(r["wall_s"], ".2f"), str(r["tokens"]),
+                 [_fmt(r["tok_s"], ".1f"), _fmt(r.get("decode_tok_s"), ".1f"), speed, _fmt(r["wall_s"], ".2f"),
+                  str(r["tokens"]),
                   _fmt(r["ttft_ms"], ".1f"), _fmt(r["tpot_ms"], ".2f")])
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     s = result["settings"]
@@ -327,6 +363,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     latency = modes.add_parser("latency", help="per-token latency of one long request, per variant")
     _add_engine_arguments(latency, context_len=4096, max_tokens=128)
+    latency.add_argument("--transformers", action="store_true",
+                         help="add a row for transformers `generate` on the same model, dtype and device")
     concurrency = modes.add_parser("concurrency", help="total tokens/s of N concurrent requests, per variant")
     _add_engine_arguments(concurrency, context_len=1024, max_tokens=128)
     concurrency.add_argument("--num-requests", type=int, default=8, help="concurrent requests")

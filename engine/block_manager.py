@@ -110,8 +110,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent = NO_HASH
-        for i in range(num_full):
+        start = seq.num_hashed_blocks   # blocks before it are published: each step hashes only new ones
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else NO_HASH
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash == NO_HASH:
                 tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -119,6 +120,7 @@ class BlockManager:
                 block.token_ids = list(tokens)
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
             parent = block.hash
+        seq.num_hashed_blocks = max(start, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks that reach zero become reusable (tail first)."""
@@ -129,3 +131,4 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0

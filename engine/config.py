@@ -72,18 +72,11 @@ class BackendConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = Field(256, ge=1, description="largest decode batch replayed from a graph")
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     cpu_threads: int | None = Field(None, ge=1)
-
-    @field_validator("cuda_graphs")
-    @classmethod
-    def _no_graphs_yet(cls, value: bool) -> bool:
-        if value:  # refused rather than ignored: no setting may be silently without effect
-            raise ValueError("CUDA-graph capture of the decode step is not implemented in this version; "
-                             "set cuda_graphs = false (decode runs eagerly)")
-        return value
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused
+
 WeightLoader = Callable[..., None]
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if x.is_cuda:   # one fused launch instead of ~8 small ones (kernels/fused.py)
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -155,6 +161,8 @@ class SiluAndMul(nn.Module):
     """x[..., 2I] (gate then up) -> silu(gate) * up, [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -231,6 +239,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions[T]; q[T, Hq*D], k[T, Hkv*D] -> rotated (q, k)."""
+        if q.is_cuda:
+            return fused.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
+                                          self.head_dim, self.rotary_dim)
         cos = self.cos_cache[positions][:, None, :]
         sin = self.sin_cache[positions][:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -79,6 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.graphs_text = self._capture_graphs()
         self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
@@ -88,9 +89,9 @@ class LLMEngine:
         self.attention_counters: dict[str, float] = {}
         self.num_generated_tokens = 0
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
-        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens; attention: %s",
-                    self.served_model_name, self.model_dir, self.device, self.dtype, self.max_context_len,
-                    num_blocks, block_size, self.backend.name)
+        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens; attention: %s; "
+                    "decode: %s", self.served_model_name, self.model_dir, self.device, self.dtype,
+                    self.max_context_len, num_blocks, block_size, self.backend.name, self.graphs_text)
 
     # ----- construction helpers -------------------------------------------------------------
     def _resolve_context_len(self, hf_config) -> int:
@@ -106,6 +107,16 @@ class LLMEngine:
     def _make_backend(self) -> AttentionBackend:
         from engine.attention_backends import make_attention_backend
         return make_attention_backend(self.config.flashdecoding, self.device, self.vendor)
+
+    def _capture_graphs(self) -> str:
+        backend = self.config.backend
+        if not backend.cuda_graphs:
+            return "eager (backend.cuda_graphs = false)"
+        if self.device.type != "cuda":
+            return f"eager (backend.cuda_graphs applies to CUDA devices; this runs on {self.device.type})"
+        max_batch = min(backend.cuda_graph_max_batch, backend.max_num_seqs)
+        self.runner.capture_decode_graphs(max_batch, self.max_context_len)
+        return f"CUDA graphs for batch sizes up to {max_batch}, eager above and for prefill"
 
     def _num_kv_blocks(self) -> int:
         backend = self.config.backend

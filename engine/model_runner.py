@@ -2,7 +2,9 @@
 
 The KV cache is one tensor per layer pair `[2, num_layers, num_blocks, block_size, Hkv, D]`,
 sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
-configured byte budget). Metadata is built once per step and shared by every layer.
+configured byte budget). Metadata is built once per step and shared by every layer. Decode
+steps replay a captured CUDA graph when `capture_decode_graphs` was called (engine/cuda_graph.py);
+prefill and batches wider than the largest graph run eagerly.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention import Attention, AttentionBackend, AttentionMetadata, forward_context
+from engine.cuda_graph import DecodeGraphs
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class ModelRunner:
         self.spec = KVCacheSpec(len(self.attention_layers), first.num_kv_heads, first.head_dim, block_size, dtype)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         per_block = self.spec.bytes_per_block
@@ -100,6 +105,16 @@ class ModelRunner:
             torch.cuda.empty_cache()  # so that mem_get_info sees the profiling memory as free again
         return peak
 
+    def capture_decode_graphs(self, max_batch: int, max_context_len: int) -> None:
+        """Capture decode steps of up to `max_batch` sequences of up to `max_context_len` tokens."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runs on {self.device}")
+        max_blocks = -(-max_context_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.backend, self.device, max_batch, max_blocks)
+        self.graphs.capture()
+
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -142,6 +157,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
         """Forward the scheduled tokens; float32 logits for the sequences that sample this step."""
+        if self.graphs is not None and all(seq.num_scheduled_tokens == 1 for seq in seqs):
+            replayed = self._replay(seqs)
+            if replayed is not None:
+                return replayed
         step = self.prepare(seqs)
         with forward_context(step.metadata, self.backend):
             hidden = self.model(step.input_ids, step.metadata.positions)
@@ -149,6 +168,22 @@ class ModelRunner:
             return torch.empty(0), [], step.metadata.counters
         logits = self.model.compute_logits(hidden[step.logits_indices])
         return logits.float(), step.sampled_seqs, step.metadata.counters
+
+    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], dict[str, float]] | None:
+        """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""
+        assert self.graphs is not None
+        width = max(len(seq.block_table) for seq in seqs)
+        bucket = self.graphs.bucket_for(len(seqs), width)
+        if bucket is None:
+            return None
+        self.graphs.stage(seqs, self.block_size)
+        logits, counters = self.graphs.run(len(seqs), width, bucket)
+        self.num_graph_steps += 1
+        # A one-token prefill chunk that does not end its prompt forwards but does not sample.
+        rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == len(seq)]
+        if len(rows) < len(seqs):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return logits, [seqs[i] for i in rows], counters
 
 
 def _dummy_params():

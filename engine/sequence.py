@@ -52,6 +52,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_hashed_blocks = 0  # leading blocks whose hashes the block manager has published
         self.logprobs: list[TokenLogprob] = []
         self.arrival_time = arrival_time
         self.num_preemptions = 0

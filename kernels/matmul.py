@@ -136,7 +136,9 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, stride_xm, stride_xk, stride_wn, strid
     x_ptrs = X + rm[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     w_ptrs = W + rn[:, None] * stride_wn + (k_start + offs_k)[None, :] * stride_wk   # W rows, K contiguous
     k_len = tl.minimum(K - k_start, k_per_split)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Products accumulate elementwise and are reduced over K once, after the loop: a reduction
+    # per tile would put cross-lane shuffles between every pair of loads.
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(tl.cdiv(k_len, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs)
@@ -146,10 +148,10 @@ def _gemv_kernel(X, W, B, Y, WS, M, N, K, stride_xm, stride_xk, stride_wn, strid
             x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         # CUDA-core FMAs in fp32 (also what the interpreter needs for bf16).
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(prod, axis=2)
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+    acc = tl.sum(acc3, axis=2)
     _store_or_stash(acc, offs_m, offs_n, M, N, B, Y, WS, pid_k, stride_ym, HAS_BIAS, SPLIT)
 
 

@@ -46,7 +46,7 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ("[backend]\nkv_cache_ratio = 1.5\n", "backend.kv_cache_ratio"),
     ("[backend]\nblock_size = 24\n", "backend.block_size"),
     ('[flashdecoding]\nkernel = "fast"\n', "flashdecoding.kernel"),
-    ("[backend]\ncuda_graphs = true\n", "backend.cuda_graphs"),
+    ("[backend]\ncuda_graph_max_batch = 0\n", "backend.cuda_graph_max_batch"),
     ("[backend]\ntensor_parallel_size = 2\n", "backend.tensor_parallel_size"),
 ])
 def test_impossible_values(tmp_path, text, key):

@@ -130,3 +130,37 @@ def test_sampling_features_on_gpu(model_dir):
     assert all(len(lp.top) == 3 and lp.logprob <= 0.0 for c in first.outputs for lp in c.logprobs)
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))[0]
     assert all(lp.top[0][0] == t for lp, t in zip(greedy.outputs[0].logprobs, greedy.token_ids))
+
+
+GRAPH_VARIANTS = {**VARIANTS, "ffd": dict(enable=True, kernel="ffd", delta=5.0)}
+
+
+@pytest.mark.parametrize("variant", list(GRAPH_VARIANTS))
+def test_cuda_graph_decode_equals_eager(model_dir, variant):
+    """Graph replay (padded buckets, batches above the largest graph run eagerly) gives the eager
+    engine's greedy tokens; every decode step that fits a graph is served by one."""
+    from engine import LLM, SamplingParams
+
+    settings = dict(model=model_dir, dtype="float32", max_num_batched_tokens=512, num_kv_blocks=1024,
+                    cuda_graph_max_batch=6, **GRAPH_VARIANTS[variant])
+    graphed = LLM(cuda_graphs=True, **settings)
+    eager = LLM(cuda_graphs=False, **settings)
+    assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.batch_sizes == [1, 2, 4, 6]
+    assert eager.engine.runner.graphs is None
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    gen = torch.Generator().manual_seed(5)
+    lengths = (3, 129, 700, 1100, 16, 255, 257, 64, 2000)   # 9 > 6: the first steps run eagerly
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
+    a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert_equal_or_near_tie(x, y)
+    assert sum(x.token_ids == y.token_ids for x, y in zip(a, b)) >= len(prompts) - 1
+    runner = graphed.engine.runner
+    assert runner.num_graph_steps > 0
+    single = graphed.generate(prompts[2], params)[0]   # bucket 1, after wider batches used the buffers
+    assert_equal_or_near_tie(single, b[2])
+    counters = graphed.engine.stats().attention_counters
+    if variant == "ffd":
+        assert counters["ffd_blocks_total"] > 0 and counters["ffd_blocks_kept"] <= counters["ffd_blocks_total"]
+    bm = graphed.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,79 @@
+"""CUDA-graph bookkeeping that needs no GPU: bucket sizes, counter scaling, the CPU engine staying
+eager. Capture and replay themselves are checked on the GPU (tests/test_engine_gpu.py)."""
+import pytest
+import torch
+
+from engine import LLM
+from engine.cuda_graph import graph_batch_sizes, scaled_counters
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("max_batch, expected", [
+    (1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+    (48, [1, 2, 4, 8, 16, 32, 48]),
+])
+def test_graph_batch_sizes(max_batch, expected):
+    assert graph_batch_sizes(max_batch) == expected
+
+
+def test_every_batch_has_a_bucket():
+    sizes = graph_batch_sizes(256)
+    for batch in range(1, 257):
+        bucket = next(b for b in sizes if b >= batch)
+        assert bucket - batch < 16
+    assert len(sizes) == 4 + 16
+
+
+def test_counters_scale_host_floats_keep_device_tensors():
+    device_count = torch.tensor(7)
+    out = scaled_counters({"fdpp_rows_checked": 64.0, "ffd_blocks_kept": device_count}, 0.25)
+    assert out["fdpp_rows_checked"] == 16.0
+    assert out["ffd_blocks_kept"] is device_count
+
+
+def test_cpu_engine_runs_eagerly_and_says_so(tmp_path):
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), cuda_graphs=True, num_kv_blocks=64)
+    assert llm.engine.runner.graphs is None
+    assert "eager" in llm.engine.graphs_text and "cpu" in llm.engine.graphs_text
+    with pytest.raises(ValueError, match="CUDA device"):
+        llm.engine.runner.capture_decode_graphs(4, 128)
+
+
+def _seq(seq_id_tokens: int, num_computed: int, table: list[int]):
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    seq = Sequence("r", list(range(3, 3 + seq_id_tokens)), SamplingParams(max_tokens=1))
+    seq.num_computed_tokens = num_computed
+    seq.block_table = list(table)
+    return seq
+
+
+def test_staging_appends_pages_and_rebuilds_rows_that_change_owner():
+    """The pinned staging rows are only appended to while a row keeps its sequence; a new
+    sequence in the row, or the same one after preemption, rewrites it."""
+    from engine.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(torch.nn.Identity(), None, torch.device("cpu"), max_batch=4, max_blocks=8)
+    bs = 4
+    a = _seq(10, 9, [5, 6, 7])          # position 9: page 7, row 1
+    b = _seq(4, 3, [2])                  # position 3: page 2, row 3
+    graphs.stage([a, b], bs)
+    assert graphs._host_long[:, :2].tolist() == [[a.token_ids[9], b.token_ids[3]], [9, 3], [7 * 4 + 1, 2 * 4 + 3]]
+    assert graphs._host_seq_lens[:2].tolist() == [10, 4]
+    assert graphs._host_block_tables[0, :3].tolist() == [5, 6, 7]
+    # b grows a page; a keeps its row
+    a.token_ids.append(11); a.num_computed_tokens = 10
+    b.token_ids.append(12); b.num_computed_tokens = 4; b.block_table.append(9)
+    graphs.stage([a, b], bs)
+    assert graphs._host_block_tables[1, :2].tolist() == [2, 9]
+    assert graphs._host_long[2, :2].tolist() == [7 * 4 + 2, 9 * 4 + 0]
+    # rows swap owners: each row is rebuilt from its new sequence
+    graphs.stage([b, a], bs)
+    assert graphs._host_block_tables[0, :2].tolist() == [2, 9]
+    assert graphs._host_block_tables[1, :3].tolist() == [5, 6, 7]
+    # a is preempted and recomputed into other pages: its row is rebuilt, not appended to
+    a.num_preemptions += 1
+    a.block_table = [1, 3, 0]
+    graphs.stage([b, a], bs)
+    assert graphs._host_block_tables[1, :3].tolist() == [1, 3, 0]
+    assert graphs._host_long[2, 1] == 0 * 4 + 2
