@@ -70,6 +70,7 @@ def kernel_table(llm: LLM) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     runner = llm.engine.runner
+    llm.engine.sync()   # no step in flight: every sequence's last token is real
     seqs = list(llm.engine.scheduler.running)
     for seq in seqs:
         seq.num_scheduled_tokens = 1

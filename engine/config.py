@@ -74,6 +74,7 @@ class BackendConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=16)
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = Field(256, ge=1, description="largest decode batch replayed from a graph")
+    async_scheduling: bool = Field(True, description="launch decode step N+1 before reading step N's tokens")
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     cpu_threads: int | None = Field(None, ge=1)

@@ -132,12 +132,17 @@ class DecodeGraphs:
             self.row_owner[i], self.row_pages[i] = owner, len(table)
         self._host_seq_lens[:batch] = host[1, :batch] + 1
 
-    def run(self, batch: int, width: int, bucket: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def run(self, batch: int, width: int, bucket: int, input_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, dict[str, float]]:
         """Replay the bucket's graph on the staged inputs of `batch` sequences whose block tables are
-        at most `width` pages; (float32 logits [batch, V], attention counters)."""
-        self._host_long[2, batch:bucket] = -1     # padding rows store nothing
+        at most `width` pages (token ids from the device tensor `input_ids` when given);
+        (float32 logits [batch, V], attention counters)."""
+        self._host_long[:2, batch:bucket] = 0     # padding rows embed token 0 at position 0,
+        self._host_long[2, batch:bucket] = -1     # store nothing
         self._host_seq_lens[batch:bucket] = 1     # and read one row of page 0
         self.input_ids[:bucket].copy_(self.host_long[0, :bucket], non_blocking=True)
+        if input_ids is not None:   # stream-ordered after the staging copy it overrides
+            self.input_ids[:batch].copy_(input_ids)
         self.positions[:bucket].copy_(self.host_long[1, :bucket], non_blocking=True)
         self.slot_mapping[:bucket].copy_(self.host_long[2, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self.host_seq_lens[:bucket], non_blocking=True)

@@ -14,11 +14,12 @@ from engine.config import ConfigError, FdserveConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import select_device, select_dtype
 from engine.errors import ContextLengthExceeded
+from engine.inflight import PLACEHOLDER, InFlightStep, copy_to_host, drop_placeholder
 from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import SampleResult, Sampler
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -87,6 +88,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
         self.attention_counters: dict[str, float] = {}
+        self.async_scheduling = config.backend.async_scheduling
+        self.in_flight: InFlightStep | None = None   # a decode step launched, not yet read back
         self.num_generated_tokens = 0
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens; attention: %s; "
@@ -175,6 +178,7 @@ class LLMEngine:
             return None
         for choice in request.choices:
             if not choice.seq.is_finished:
+                drop_placeholder(choice.seq)   # its step in flight is dropped when read
                 self._finish(choice.seq, FinishReason.ABORT)
         return self._collect(request)
 
@@ -188,22 +192,113 @@ class LLMEngine:
 
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.in_flight is not None:
+            return self._step_in_flight()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            return []
+        if self._overlappable(out.scheduled):
+            self.in_flight = self._launch(out.scheduled)
+            self._append_placeholders(self.in_flight)
             return []
         logits, sampled, counters = self.runner.execute(out.scheduled)
         self.num_forwarded_tokens += out.num_batched_tokens
         for seq in out.scheduled:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             self.block_manager.register_full_blocks(seq)
-        for key, value in counters.items():
-            self.attention_counters[key] = self.attention_counters.get(key, 0.0) + value
+        self._add_counters(counters)
         touched: dict[str, _Request] = {}
         if sampled:
             results = self.sampler(logits, sampled)
             for seq, result in zip(sampled, results):
                 self._on_token(seq, result)
                 touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._collect(r) for r in touched.values()]
+
+    def _add_counters(self, counters: dict[str, float]) -> None:
+        for key, value in counters.items():
+            self.attention_counters[key] = self.attention_counters.get(key, 0.0) + value
+
+    # ----- overlapped decode (backend.async_scheduling, engine/inflight.py) ---------------------
+    def sync(self) -> list[RequestOutput]:
+        """Read back the step in flight, if any, launching nothing after it."""
+        current, self.in_flight = self.in_flight, None
+        return self._resolve(current) if current is not None else []
+
+    def _overlappable(self, seqs: list[Sequence]) -> bool:
+        """A decode step whose every row can be sampled before the previous token is on the host,
+        while no waiting request could be admitted instead."""
+        scheduler = self.scheduler
+        return (self.async_scheduling and
+                (not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs) and
+                all(seq.num_scheduled_tokens == 1 and seq.num_computed_tokens + 1 == len(seq)
+                    and not Sampler.needs_history(seq.params) for seq in seqs))
+
+    def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
+        logits, sampled, counters = self.runner.execute(seqs, input_ids)
+        assert len(sampled) == len(seqs), "every row of an overlapped decode step samples"
+        tokens = self.sampler.sample_ids(logits, seqs)
+        host, ready = copy_to_host(tokens)
+        self.num_forwarded_tokens += len(seqs)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        self._add_counters(counters)
+        return InFlightStep(list(seqs), tokens, host, ready)
+
+    @staticmethod
+    def _append_placeholders(step: InFlightStep) -> None:
+        for seq in step.seqs:
+            if not seq.is_finished:
+                seq.append_token(PLACEHOLDER)
+
+    def _may_follow(self, seq: Sequence) -> bool:
+        """Whether `seq` may still be running after its token in flight (a length limit is known now;
+        EOS and stop strings are not, and cost one dropped row)."""
+        params = seq.params
+        return (not seq.is_finished and seq.num_output_tokens < (params.max_tokens or self.max_new_tokens)
+                and (seq.max_total_tokens is None or len(seq) < seq.max_total_tokens))
+
+    def _step_in_flight(self) -> list[RequestOutput]:
+        """Launch the next decode step on the device-side tokens of the one in flight, then read
+        that one back and report it while the next runs."""
+        current = self.in_flight
+        assert current is not None
+        following = [seq for seq in current.seqs if self._may_follow(seq)]
+        bm, scheduler = self.block_manager, self.scheduler
+        launch = (following and self.async_scheduling and
+                  (not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs) and
+                  sum(bm.blocks_needed(seq, 1) for seq in following) <= bm.num_free_blocks)
+        following_step = None
+        if launch:
+            row = {id(seq): i for i, seq in enumerate(current.seqs)}
+            rows = [row[id(seq)] for seq in following]
+            for seq in following:
+                bm.allocate_slots(seq, 1)
+                seq.num_scheduled_tokens = 1
+            ids = current.tokens if len(rows) == len(current.seqs) else \
+                current.tokens[torch.tensor(rows, device=current.tokens.device)]
+            following_step = self._launch(following, ids)
+        outputs = self._resolve(current)
+        if following_step is not None and any(not seq.is_finished for seq in following_step.seqs):
+            self._append_placeholders(following_step)
+            self.in_flight = following_step
+        else:
+            self.in_flight = None
+        return outputs
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        """Put the step's sampled tokens in place of the placeholders and report them."""
+        touched: dict[str, _Request] = {}
+        for seq, token in zip(step.seqs, step.token_ids()):
+            if seq.is_finished:   # aborted, or ended by the step before (this row is dropped)
+                continue
+            if seq.token_ids[-1] != PLACEHOLDER:
+                raise RuntimeError(f"sequence {seq.seq_id} lost its in-flight token")
+            seq.token_ids.pop()
+            self._on_token(seq, SampleResult(token, None))
+            if not seq.is_finished:
+                self.block_manager.register_full_blocks(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
         return [self._collect(r) for r in touched.values()]
 
     def _on_token(self, seq: Sequence, result) -> None:

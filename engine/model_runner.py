@@ -155,13 +155,23 @@ class ModelRunner:
                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
-        """Forward the scheduled tokens; float32 logits for the sequences that sample this step."""
-        if self.graphs is not None and all(seq.num_scheduled_tokens == 1 for seq in seqs):
-            replayed = self._replay(seqs)
+    def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
+        """Forward the scheduled tokens; float32 logits for the sequences that sample this step.
+
+        `input_ids` (device, one per sequence, decode steps only) replaces the token ids read from
+        the sequences: the tokens the previous step sampled, not yet copied to the host.
+        """
+        decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
+        if input_ids is not None and (not decode or input_ids.shape != (len(seqs),)):
+            raise ValueError("input_ids replaces one token per sequence of a decode step")
+        if self.graphs is not None and decode:
+            replayed = self._replay(seqs, input_ids)
             if replayed is not None:
                 return replayed
         step = self.prepare(seqs)
+        if input_ids is not None:
+            step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):
             hidden = self.model(step.input_ids, step.metadata.positions)
         if not step.sampled_seqs:
@@ -169,7 +179,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices])
         return logits.float(), step.sampled_seqs, step.metadata.counters
 
-    def _replay(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence], dict[str, float]] | None:
+    def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None
+                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]] | None:
         """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""
         assert self.graphs is not None
         width = max(len(seq.block_table) for seq in seqs)
@@ -177,7 +188,7 @@ class ModelRunner:
         if bucket is None:
             return None
         self.graphs.stage(seqs, self.block_size)
-        logits, counters = self.graphs.run(len(seqs), width, bucket)
+        logits, counters = self.graphs.run(len(seqs), width, bucket, input_ids)
         self.num_graph_steps += 1
         # A one-token prefill chunk that does not end its prompt forwards but does not sample.
         rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == len(seq)]

@@ -70,6 +70,20 @@ class Sampler:
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Row i of `logits` [N, V] (float32) belongs to seqs[i]; returns one result per row."""
+        chosen = self.sample_ids(logits, seqs).tolist()
+        logprobs = self._logprobs(logits[:, :self.vocab_size], chosen, [s.params for s in seqs])
+        return [SampleResult(t, logprobs.get(i)) for i, t in enumerate(chosen)]
+
+    @staticmethod
+    def needs_history(params: SamplingParams) -> bool:
+        """Whether sampling reads the sequence's earlier output (penalties, min_tokens, processors)
+        or reports logprobs: such rows cannot be sampled before the previous token is on the host."""
+        return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                    or params.logit_bias or params.logits_processors or params.min_tokens
+                    or params.logprobs is not None)
+
+    def sample_ids(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """The chosen token ids [N] on the logits' device; reads nothing back from the device."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
         raw = logits[:, :self.vocab_size]  # the LM head may be padded past the tokenizer's vocab
         params = [s.params for s in seqs]
@@ -83,9 +97,7 @@ class Sampler:
             if greedy_rows:
                 token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
             token_ids[sampled_rows] = self._sample(_take(x, sampled_rows), [seqs[i] for i in sampled_rows])
-        chosen = token_ids.tolist()
-        logprobs = self._logprobs(raw, chosen, params)
-        return [SampleResult(t, logprobs.get(i)) for i, t in enumerate(chosen)]
+        return token_ids
 
     def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """Penalties, logit_bias and the min_tokens mask; `logits` itself is never modified
