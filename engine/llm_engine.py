@@ -1,4 +1,5 @@
-"""The synchronous engine: requests in, one scheduled forward step at a time, deltas out."""
+"""The engine: requests in, forward steps out as token deltas. Called from one thread; a decode
+step may be launched before the previous one is read back (engine/inflight.py)."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,7 @@ from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestOutput
-from engine.sampler import SampleResult, Sampler
+from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
