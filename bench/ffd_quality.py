@@ -17,15 +17,19 @@ Everything runs in float32 with the torch rule of `kernels/ffd_reference.py`, wh
    KL(dense || FFD) of the next-token distributions.
 3. free-running greedy generation (`--generate N`): prompt = the text minus its last N tokens,
    dense vs FFD through the engine: position-wise token agreement and the common-prefix length.
-4. passkey (`--passkey`): "The pass key is NNNNN" hidden at 10/50/90 % depth of a filler of the
-   same text; dense vs FFD greedy answers, found or not.
-Writes OUT/ffd_quality.json and prints a table last.
+4. passkey (`--passkey`): "The pass key is NNNNN" hidden at 10/50/90 % (`--passkey-depths`: also
+   30/70 %) depth of a filler of the same text; dense vs FFD greedy answers, found or not.
+5. key format (`--key-formats`): with nothing pruned, at the probe queries, the refined keys'
+   relative L2 error and the layer's attention output error for the stored format (residual in
+   units of s/R) against an FP8 residual stored unscaled and a bf16 residual.
+Writes OUT/ffd_quality.json (`--out-name`) and prints a table last.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import math
 import re
 import sys
 import time
@@ -40,7 +44,7 @@ from engine.config import FlashDecodingConfig  # noqa: E402
 from engine.ffd_backend import make_ffd_backend, params_from_config  # noqa: E402
 from engine.loader import load_model, resolve_model_dir  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
-from kernels.ffd_reference import attend_seq_ref, quantize_blocks_ref  # noqa: E402
+from kernels.ffd_reference import FP8, attend_seq_ref, dequantize_blocks_ref, quantize_blocks_ref  # noqa: E402
 
 TEXT = Path("/usr/share/doc/libgnutls30/NEWS.gz")
 BS = 128
@@ -103,15 +107,19 @@ class Runner:
                                 prefill=prefill)
 
 
-def analyse_layer(q, pos, k, v, scale, deltas):
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """[N, Hkv, BS, D] quantization blocks -> [N * BS, Hkv, D] tokens."""
+    return x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+
+
+def analyse_layer(q, pos, k, v, scale, deltas, key_formats=False):
     """Selection quality of one layer at the probe queries, per δ (see the module docstring)."""
     length = int(pos.max()) + 1
     nblk = length // BS
     full = k[:nblk * BS].reshape(nblk, BS, *k.shape[1:])
     codes, scales, residual = quantize_blocks_ref(full)
-    two = ((torch.cat([((codes >> (2 * j)) & 3) for j in range(4)], -1).float() - 1.5) * scales[:, :, None])
-    k2 = two.permute(0, 2, 1, 3).reshape(nblk * BS, *k.shape[1:])
-    khat = k2 + residual.float().permute(0, 2, 1, 3).reshape(nblk * BS, *k.shape[1:])
+    k2 = token_major(dequantize_blocks_ref(codes, scales))
+    khat = token_major(dequantize_blocks_ref(codes, scales, residual))
     kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
     exact_p = []
     for i, p in enumerate(pos.tolist()):               # exact attention of each probe query
@@ -144,6 +152,30 @@ def analyse_layer(q, pos, k, v, scale, deltas):
                            recall=stats["recall_hit"] / max(1, stats["recall_n"]),
                            dropped_median=float(dropped.median()), dropped_p90=float(dropped.quantile(0.9)),
                            dropped_max=float(dropped.max()), rel_err_mean=sum(stats["rel_err"]) / len(stats["rel_err"]))
+    if key_formats:
+        refs = [torch.einsum("hgt,thd->hgd", exact_p[i], v[:p + 1]).reshape(-1, v.shape[-1])
+                for i, p in enumerate(pos.tolist())]
+        rows["key_formats"] = key_format_errors(q, pos, k, v, scale, refs)
+    return rows
+
+
+def key_format_errors(q, pos, k, v, scale, refs) -> dict:
+    """δ = ∞ at the probe queries: refined keys of full blocks, exact tail (see the docstring)."""
+    length = int(pos.max()) + 1
+    nblk = length // BS
+    full = k[:nblk * BS].reshape(nblk, BS, *k.shape[1:])
+    codes, scales, residual = quantize_blocks_ref(full)
+    exact, two = full.permute(0, 2, 1, 3).float(), dequantize_blocks_ref(codes, scales)
+    formats = {"scaled": dequantize_blocks_ref(codes, scales, residual),
+               "unscaled": two + (exact - two).to(FP8).float(),
+               "bf16": two + (exact - two).bfloat16().float()}
+    params = params_from_config(ffd_config(1e9))
+    rows = {}
+    for name, khat in formats.items():
+        out, _, _ = attend_seq_ref(q, pos, k, v, token_major(two), token_major(khat), scale, params)
+        errs = [float((out[i] - ref).norm() / ref.norm()) for i, ref in enumerate(refs)]
+        rows[name] = {"key_rel_err": float((khat - exact).norm() / exact.norm()),
+                      "out_rel_err_mean": sum(errs) / len(errs)}
     return rows
 
 
@@ -167,7 +199,7 @@ def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas, depths=
         engines[f"ffd_d{d:g}"] = LLM(model=str(model_dir), kernel="ffd", delta=d, ffd_block_size=BS,
                                      cpu_kv_cache_bytes=1 << 30)
     filler_ids = tok.encode(filler)
-    keys = {0.1: "71432", 0.5: "40596", 0.9: "28317"}
+    keys = {0.1: "71432", 0.3: "58261", 0.5: "40596", 0.7: "93174", 0.9: "28317"}
     for depth in depths:
         key = keys[depth]
         needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
@@ -195,8 +227,11 @@ def main() -> None:
     ap.add_argument("--generate-contexts", type=int, nargs="*", default=None)
     ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
     ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
-    ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], choices=[0.1, 0.5, 0.9])
+    ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
+                    choices=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--key-formats", action="store_true", help="δ = ∞ error of three residual formats")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out-name", default="ffd_quality.json")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -211,7 +246,7 @@ def main() -> None:
     report = {"model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to float32)",
               "text": str(TEXT), "block_size": BS, "sink_tokens": 4, "local_window": 128,
               "delta_units": "e", "date": time.strftime("%Y-%m-%d"), "contexts": {}}
-    out_path = args.out / "ffd_quality.json"
+    out_path = args.out / args.out_name
     args.out.mkdir(parents=True, exist_ok=True)
     for length in args.contexts:
         ids = ids_all[:length]
@@ -222,9 +257,16 @@ def main() -> None:
         probes = {i: torch.cat(v) for i, v in runner.q_probe.items()}
         pos = torch.tensor(probe_pos)
         layers = [analyse_layer(probes[i], pos, kv[0, i].reshape(-1, *kv.shape[-2:])[:length],
-                                kv[1, i].reshape(-1, *kv.shape[-2:])[:length], scale, args.deltas)
+                                kv[1, i].reshape(-1, *kv.shape[-2:])[:length], scale, args.deltas, args.key_formats)
                   for i in range(len(runner.layers))]
         entry = {"dense_seconds": time.time() - t0, "per_layer": layers, "teacher_forced": {}}
+        if args.key_formats:
+            for name in layers[0]["key_formats"]:
+                errs = [layer["key_formats"][name] for layer in layers]
+                print(f"L={length} δ=∞ {name} residual: key rel err "
+                      f"{math.sqrt(sum(e['key_rel_err'] ** 2 for e in errs) / len(errs)):.2e} (rms over layers), "
+                      f"out rel err {sum(e['out_rel_err_mean'] for e in errs) / len(errs):.2e} (mean), "
+                      f"worst layer {max(e['out_rel_err_mean'] for e in errs):.2e}", flush=True)
         for delta in args.deltas:
             t1 = time.time()
             ffd_logits, _ = runner.run(ids, make_ffd_backend(ffd_config(delta), CPU, "cpu"),

@@ -20,8 +20,10 @@ same formula, so no block is skipped or counted twice at any length (the officia
 split-KV, i.e. Flash-Decoding), per sequence, so mixed batches need no host decision.
 
 Precision: the 2-bit scan dots q*scale rounded to bf16 (selection only). A kept block's score is
-q.(2-bit key) with q*scale split into bf16 hi + lo parts, plus q.residual in q's dtype (the
-residual converts exactly): ~fp32-accurate refined logits. P.V runs in V's dtype, fp32 accumulate.
+q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate), plus q.residual in q's
+dtype, the residual (e4m3 * scale / R) rounded to it: in bf16 a relative error of 2^-9 on a term
+whose own e4m3 rounding is up to 2^-4, so the refined logits are as accurate as the stored keys
+allow. P.V runs in V's dtype, fp32 accumulate.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ffd_reference import FFDParams
+from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
 from kernels.vendor import interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
+INV_RES_SCALE: tl.constexpr = tl.constexpr(1.0 / RESIDUAL_SCALE)   # residual units -> channel scales
 
 
 # ----- quantize on write ---------------------------------------------------------------------
@@ -52,13 +55,14 @@ def _round_to_e4m3(x):
     ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - ulp_e) << 23).to(tl.float32, bitcast=True)
     r = ((a * inv + 8388608.0) - 8388608.0) * ulp        # round half to even at the ulp
-    return tl.where(x < 0, -r, r)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31    # x's sign bit, so -0 stays -0 as in torch
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quantize_kernel(K, SLOTS, CODES, SCALES, RES, stride_kb, stride_kt, stride_kh,
                      NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     RES_SCALE: tl.constexpr, UPCAST: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -72,9 +76,10 @@ def _quantize_kernel(K, SLOTS, CODES, SCALES, RES, stride_kb, stride_kt, stride_
         for j in tl.static_range(4):
             k = tl.load(src + j * D4 + cols[None, :]).to(tl.float32)
             s = tl.maximum(tl.max(tl.abs(k), 0) * 0.6666666666666666, 1e-8)
-            code = tl.minimum(tl.maximum(tl.floor(tl.div_rn(k, s[None, :])) + 2.0, 0.0), 3.0)
+            x = tl.div_rn(k, s[None, :])
+            code = tl.minimum(tl.maximum(tl.floor(x) + 2.0, 0.0), 3.0)
             packed = packed | (code.to(tl.int32) << (2 * j))
-            res = _round_to_e4m3(k - (code - 1.5) * s[None, :])
+            res = _round_to_e4m3((x - (code - 1.5)) * RES_SCALE)     # in units of s / R (exact: R = 2^k)
             tl.store(SCALES + qbase * D + j * D4 + cols, s)
             tl.store(RES + (qbase * BS + rows[:, None]) * D + j * D4 + cols[None, :], res.to(tl.float8e4nv))
         tl.store(CODES + (qbase * BS + rows[:, None]) * D4 + cols[None, :], packed.to(tl.uint8))
@@ -94,7 +99,8 @@ def quantize_on_write(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.
         raise ValueError("quantize_on_write needs a contiguous head dim and contiguous quantized tensors")
     _quantize_kernel[(num_tokens, kv_heads)](
         k_cache, slot_mapping, codes, scales, residual, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=kv_heads, BS=bs, D=dim, D4=dim // 4, UPCAST=interpreting(), num_warps=4)
+        NUM_KV_HEADS=kv_heads, BS=bs, D=dim, D4=dim // 4, RES_SCALE=RESIDUAL_SCALE, UPCAST=interpreting(),
+        num_warps=4)
 
 
 # ----- decode ----------------------------------------------------------------------------------
@@ -110,6 +116,12 @@ def _plane_dot(acc, qs, plane, UPCAST: tl.constexpr):
     if UPCAST:
         return acc + tl.dot(qs, tl.trans(plane), input_precision="ieee")
     return acc + tl.dot(qs.to(tl.bfloat16), tl.trans(plane))
+
+
+@triton.jit
+def _res_plane(RES_PLANE, s):
+    """Residual plane [BS, D4] in key units (fp32): stored e4m3 * s / R."""
+    return tl.load(RES_PLANE).to(tl.float32) * (s * INV_RES_SCALE)[None, :]
 
 
 @triton.jit
@@ -150,10 +162,10 @@ def _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk,
             raw = _plane_dot(raw, qs2 - qs2.to(tl.bfloat16).to(tl.float32), p2, UPCAST)
             raw = _plane_dot(raw, qs3 - qs3.to(tl.bfloat16).to(tl.float32), p3, UPCAST)
         rptr = RES + (qbase * BS + toks[:, None]) * D + cols[None, :]
-        raw += tl.dot(q0, tl.trans(tl.load(rptr + 0 * D4).to(q0.dtype)))
-        raw += tl.dot(q1, tl.trans(tl.load(rptr + 1 * D4).to(q1.dtype)))
-        raw += tl.dot(q2, tl.trans(tl.load(rptr + 2 * D4).to(q2.dtype)))
-        raw += tl.dot(q3, tl.trans(tl.load(rptr + 3 * D4).to(q3.dtype)))
+        raw += tl.dot(q0, tl.trans(_res_plane(rptr + 0 * D4, s0).to(q0.dtype)))
+        raw += tl.dot(q1, tl.trans(_res_plane(rptr + 1 * D4, s1).to(q1.dtype)))
+        raw += tl.dot(q2, tl.trans(_res_plane(rptr + 2 * D4, s2).to(q2.dtype)))
+        raw += tl.dot(q3, tl.trans(_res_plane(rptr + 3 * D4, s3).to(q3.dtype)))
     return raw - zero[:, None]
 
 

@@ -6,9 +6,18 @@ Quantized key format, one quantization block = one KV page of BS tokens, head-ma
                                       bits 0-1, 2-3, 4-5, 6-7, so each 2-bit plane is one contiguous
                                       channel range (the kernel dots a plane at a time, no shuffles)
   scales   [N, Hkv, D]       float32  per-channel symmetric scale s = max_t |k_t| * 2/3
-  residual [N, Hkv, BS, D]   fp8 e4m3 k - (code - 1.5) * s, unscaled, rounded to nearest even
-code = clamp(floor(k / s) + 2, 0, 3): the nearest of the levels (-1.5, -0.5, 0.5, 1.5) * s.
-k̂ = (code - 1.5) * s + residual is the "refined" key; (code - 1.5) * s alone the "2-bit" key.
+  residual [N, Hkv, BS, D]   fp8 e4m3 (x - (code - 1.5)) * R with x = k / s and R = 256, i.e. the
+                                      quantization error in units of s/R, rounded to nearest even
+code = clamp(floor(x) + 2, 0, 3): the nearest of the levels (-1.5, -0.5, 0.5, 1.5) * s, so
+|x - (code - 1.5)| <= 1/2 and the stored residual is within about +-128 (e4m3 saturates at 448).
+k̂ = (code - 1.5) * s + residual * s / R is the "refined" key; (code - 1.5) * s alone the "2-bit" key.
+The residual is stored relative to its channel's scale, which costs no bytes (s is stored anyway)
+and makes the refined key's error independent of the key's magnitude: every residual above
+s * 2^-14 is an e4m3 normal (3 mantissa bits, relative error <= 2^-4), and with R a power of two
+the largest residuals, |x - (code - 1.5)| in [1/4, 1/2], fill one binade, where e4m3's step is
+s/32. Stored unscaled, residuals below 2^-6 are e4m3 subnormals (absolute step 2^-9, coarse for
+channels with s below ~0.1), and the largest residuals get a step between s/32 and s/16,
+depending on where s/2 falls in its binade.
 
 The attention rule for one query at position p (its context is tokens 0..p), natural-log units:
   nq = (p + 1) // BS blocks are full and quantized; tokens nq*BS..p are the exact tail.
@@ -35,6 +44,7 @@ LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 SCALE_OF_ABSMAX = 2.0 / 3.0    # s = absmax / 1.5, as a product so kernel and reference round alike
 MIN_SCALE = 1e-8               # an all-zero channel still divides safely
+RESIDUAL_SCALE = 256.0         # R: the residual is stored as fp8((k/s - (code - 1.5)) * R), a power of two
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,9 @@ def quantize_blocks_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
         raise ValueError(f"head_dim must be a multiple of 4 for 2-bit packing, got {dim}")
     kf = k.float().permute(0, 2, 1, 3)                                 # [N, H, BS, D]
     scales = (kf.abs().amax(2) * SCALE_OF_ABSMAX).clamp_min(MIN_SCALE)  # [N, H, D]
-    codes = (torch.floor(kf / scales[:, :, None, :]) + 2).clamp(0, 3)
-    residual = (kf - (codes - 1.5) * scales[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    x = kf / scales[:, :, None, :]
+    codes = (torch.floor(x) + 2).clamp(0, 3)
+    residual = ((x - (codes - 1.5)) * RESIDUAL_SCALE).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     c = codes.to(torch.uint8).reshape(num, heads, bs, 4, dim // 4)
     packed = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
     return packed.contiguous(), scales.contiguous(), residual.contiguous()
@@ -85,7 +96,12 @@ def dequantize_blocks_ref(codes: torch.Tensor, scales: torch.Tensor,
                           residual: torch.Tensor | None = None) -> torch.Tensor:
     """-> keys [N, Hkv, BS, D] float32: 2-bit keys, or refined keys when `residual` is given."""
     k = (unpack_codes_ref(codes) - 1.5) * scales[:, :, None, :]
-    return k if residual is None else k + residual.float()
+    return k if residual is None else k + residual_ref(residual, scales)
+
+
+def residual_ref(residual: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Stored residual [N, Hkv, BS, D] fp8 -> k - 2-bit key, float32 (`* s / R`; R a power of two)."""
+    return residual.float() * (scales[:, :, None, :] * (1.0 / RESIDUAL_SCALE))
 
 
 def quantize_on_write_ref(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -189,7 +205,7 @@ def _seq_keys(k_cache, v_cache, qpages: QuantizedPages, table, length: int, nblk
     v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:length]
     qp = pages[:nblk]
     k2 = dequantize_blocks_ref(qpages.codes[qp], qpages.scales[qp])
-    khat = k2 + qpages.residual[qp].float()
+    khat = k2 + residual_ref(qpages.residual[qp], qpages.scales[qp])
     flat = lambda x: x.permute(0, 2, 1, 3).reshape(nblk * bs, *x.shape[1:2], x.shape[3])  # noqa: E731
     return k, v, flat(k2), flat(khat)
 

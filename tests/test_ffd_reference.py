@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.ffd_reference import (FP8, FFDParams, attend_seq_ref, dense_over_refined_ref,
+from kernels.ffd_reference import (FP8, RESIDUAL_SCALE, FFDParams, attend_seq_ref, dense_over_refined_ref,
                                    dequantize_blocks_ref, ffd_decode_ref, ffd_prefill_ref,
                                    quantize_blocks_ref, unpack_codes_ref)
 from tests.ffd_helpers import paged_case, params
@@ -23,11 +23,18 @@ def test_quantizer_format_and_error_bounds():
     torch.testing.assert_close(scales, kk.abs().amax(2) / 1.5, rtol=1e-6, atol=0)
     two_bit = dequantize_blocks_ref(codes, scales)
     assert ((kk - two_bit).abs() <= scales[:, :, None] / 2 * (1 + 1e-6)).all()
+    levels = torch.floor(kk / scales[:, :, None]).add(2).clamp(0, 3)
+    # the residual is stored in units of s / R: fp8((k/s - (code - 1.5)) * R), |stored| <= R/2
+    stored = ((kk / scales[:, :, None] - (levels - 1.5)) * RESIDUAL_SCALE).to(FP8)
+    assert torch.equal(residual.view(torch.uint8), stored.view(torch.uint8))
+    assert residual.float().abs().max() <= RESIDUAL_SCALE / 2
     refined = dequantize_blocks_ref(codes, scales, residual)
     res = (kk - two_bit).abs()
-    assert ((kk - refined).abs() <= torch.maximum(res * 2.0 ** -4, torch.full_like(res, 2.0 ** -10))).all()
+    err = (kk - refined).abs()
+    s = scales[:, :, None].expand_as(err)
+    assert (err <= torch.maximum(res * 2.0 ** -4, s * 2.0 ** -18) + 1e-6 * kk.abs()).all()   # e4m3 rounding
+    assert (err <= s / 64 * (1 + 1e-5)).all()             # the top binade [R/4, R/2] has step s/32
     # bit layout: channel i + j*D/4 in bits 2j..2j+1 of byte i
-    levels = torch.floor(kk / scales[:, :, None]).add(2).clamp(0, 3)
     byte = codes[1, 0, 5, 7].item()
     for j in range(4):
         assert (byte >> (2 * j)) & 3 == int(levels[1, 0, 5, 7 + 32 * j])
@@ -36,10 +43,31 @@ def test_quantizer_format_and_error_bounds():
 
 def test_zero_channel_and_large_values_stay_finite():
     k = torch.zeros(1, 16, 1, 8)
-    k[0, :, 0, 1] = torch.linspace(-600, 600, 16)              # residuals beyond fp8's 448 clamp
+    k[0, :, 0, 1] = torch.linspace(-6e4, 6e4, 16)              # residuals far beyond e4m3's 448, unscaled
     codes, scales, residual = quantize_blocks_ref(k)
     refined = dequantize_blocks_ref(codes, scales, residual)
-    assert torch.isfinite(refined).all() and refined[0, 0, :, 0].abs().max() < 1e-7
+    assert torch.isfinite(refined).all() and refined[0, 0, :, 0].abs().max() == 0
+    assert ((refined[0, 0, :, 1] - k[0, :, 0, 1]).abs() <= scales[0, 0, 1] / 64 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** -10, 1e-2, 1.0, 30.0])
+def test_refined_key_error_does_not_depend_on_the_key_magnitude(magnitude):
+    """Small channels keep their precision: an unscaled e4m3 residual of keys ~1e-2 is all
+    subnormal (step 2^-9) and reconstructs ~5 % off (~50 % at 2^-10); stored in units of s, ~1.3 %."""
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(4, 128, 2, 64, generator=gen)
+    codes, scales, residual = quantize_blocks_ref(k)
+    c2, s2, r2 = quantize_blocks_ref(k * magnitude)
+    kk = (k * magnitude).permute(0, 2, 1, 3)
+    refined = dequantize_blocks_ref(c2, s2, r2)
+    assert float((refined - kk).norm() / kk.norm()) < 1.5e-2
+    assert ((refined - kk).abs() <= s2[:, :, None] / 64 * (1 + 1e-5)).all()
+    if math.log2(magnitude).is_integer():                      # a power of two: the same bytes, scales x it
+        assert torch.equal(c2, codes) and torch.equal(r2.view(torch.uint8), residual.view(torch.uint8))
+        assert torch.equal(s2, scales * magnitude)
+    unscaled = dequantize_blocks_ref(c2, s2) + (kk - dequantize_blocks_ref(c2, s2)).to(FP8).float()
+    if magnitude <= 1e-2:                                      # what storing the residual unscaled would give
+        assert float((unscaled - kk).norm() / kk.norm()) > 4e-2
 
 
 @pytest.mark.parametrize("num_blocks", [0, 1, 2, 127, 128, 129, 257])
