@@ -200,7 +200,8 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
         for r in range(args.repeat):
             timings, wall = run_requests(engine, prompts(r), args.max_tokens, bar.update)
             runs.append(_summarise_run(timings, wall))
-    row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name,
+    decode = engine.graphs_text + (", async scheduling" if engine.async_scheduling else ", synchronous scheduling")
+    row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name, "decode": decode,
                            "overrides": VARIANTS[variant], "counters": engine.stats().attention_counters,
                            # Must stay 0: a hit would skip prefill and shrink TTFT.
                            "prefix_cache_hits": engine.block_manager.prefix_cache_hits}
@@ -329,7 +330,8 @@ def format_table(result: dict[str, Any]) -> str:
             ("" if latency else f", {s['num_requests']} concurrent requests") +
             f", median of {s['repeat']}; {result['machine']['device']} ({result['machine']['cpu_threads']} "
             f"torch threads); model {result['model']}")
-    notes = [f"{r['name']}: {r['attention']}" for r in result["variants"] if r["available"]]
+    notes = [f"{r['name']}: {r['attention']}" + (f"; decode: {r['decode']}" if r.get("decode") else "")
+             for r in result["variants"] if r["available"]]
     return "\n".join([what, *lines, *notes, *(f"WARNING: {w}" for w in result["warnings"])])
 
 
