@@ -185,7 +185,7 @@ class Sampler:
         probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
         rows = [i for i, p in enumerate(params) if p.top_k > 0]
         if rows:
-            _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows], device=dev))
+            _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows]))  # host: no sync
         rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
         if rows:
             _in_rows(probs, rows, _top_p_, torch.tensor([[params[i].top_p] for i in rows], device=dev))
@@ -249,9 +249,10 @@ def _in_rows(t: Tensor, rows: list[int], fn: Callable[[Tensor, Tensor], Tensor],
 
 
 def _top_k_(probs: Tensor, top_k: Tensor) -> Tensor:
-    """Zero all but each row's k largest weights (ties with the k-th survive); top_k is [R, 1]."""
+    """Zero all but each row's k largest weights (ties with the k-th survive); top_k is [R, 1],
+    on the host (its maximum sizes the topk without reading anything back from the device)."""
     k_max = min(int(top_k.max()), probs.shape[1])
-    kth = probs.topk(k_max, dim=-1).values.gather(1, top_k.clamp(max=k_max) - 1)
+    kth = probs.topk(k_max, dim=-1).values.gather(1, top_k.clamp(max=k_max).to(probs.device) - 1)
     return probs.masked_fill_(probs < kth, 0.0)
 
 
@@ -263,6 +264,8 @@ def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
     small, so each row looks at a growing number of top candidates until its nucleus fits;
     rows that fit early are not looked at again.
     """
+    if probs.is_cuda:
+        return _top_p_sorted_(probs, top_p)
     rows, width = probs.shape
     goal = top_p * probs.sum(dim=-1, keepdim=True)
     threshold = torch.empty(rows, 1, device=probs.device)
@@ -278,3 +281,12 @@ def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
         pending = pending[~done]
         k = min(k * 8, width)
     return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _top_p_sorted_(probs: Tensor, top_p: Tensor) -> Tensor:
+    """`_top_p_` by one full sort: no data-dependent loop, so nothing is read back from the device
+    and a decode step can stay in flight (engine/inflight.py). The GPU sorts a vocabulary fast."""
+    values = probs.sort(dim=-1, descending=True).values
+    goal = top_p * probs.sum(dim=-1, keepdim=True)
+    n_keep = ((values.cumsum(dim=-1) - values) < goal).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return probs.masked_fill_(probs < values.gather(1, n_keep - 1), 0.0)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, _top_k_, _top_p_
+from engine.sampler import Sampler, _top_k_, _top_p_, _top_p_sorted_
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -130,6 +130,19 @@ def test_top_p_matches_a_full_sort_on_a_wide_flat_vocabulary():
         want[order[:n_keep]] = True
         assert torch.equal(got[row], want)
         assert n_keep == 1 if row == 1 else n_keep > 64
+
+
+def test_top_p_by_one_sort_equals_the_incremental_search():
+    """The GPU's sync-free nucleus (one sort) keeps exactly what the CPU's incremental search keeps,
+    ties and one-token nuclei included."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 3000) * torch.tensor([[0.2], [1.0], [3.0], [0.05], [8.0], [0.5]])
+    x[3, :40] = 2.0                      # a block of exact ties at the top
+    x[4, 7] = 50.0                       # one token holds everything
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        p = torch.full((6, 1), top_p)
+        a, b = _top_p_(x.exp(), p), _top_p_sorted_(x.exp(), p)
+        assert torch.equal(a > 0, b > 0), f"top_p={top_p}: {(a > 0).sum(1).tolist()} vs {(b > 0).sum(1).tolist()}"
 
 
 def draws(sampler: Sampler, logits: torch.Tensor, seq: Sequence, n: int = 300) -> set[int]:
