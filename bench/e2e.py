@@ -200,9 +200,10 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
         for r in range(args.repeat):
             timings, wall = run_requests(engine, prompts(r), args.max_tokens, bar.update)
             runs.append(_summarise_run(timings, wall))
-    decode = engine.graphs_text + (", async scheduling" if engine.async_scheduling else ", synchronous scheduling")
-    row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name, "decode": decode,
-                           "overrides": VARIANTS[variant], "counters": engine.stats().attention_counters,
+    stats = engine.stats()
+    row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name,
+                           "decode": stats.decode_path, "graph_steps": stats.num_graph_steps,
+                           "overrides": VARIANTS[variant], "counters": stats.attention_counters,
                            # Must stay 0: a hit would skip prefill and shrink TTFT.
                            "prefix_cache_hits": engine.block_manager.prefix_cache_hits}
     row.update({k: _median([run[k] for run in runs]) for k in runs[0] if k != "tokens"})

@@ -367,7 +367,10 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
-            attention_counters={k: float(v) for k, v in self.attention_counters.items()})
+            attention_counters={k: float(v) for k, v in self.attention_counters.items()},
+            decode_path=self.graphs_text + ("; asynchronous scheduling" if self.async_scheduling
+                                            else "; synchronous scheduling"),
+            num_graph_steps=self.runner.num_graph_steps)
 
 
 def _default_served_name(config: FdserveConfig, model_dir: Path) -> str:

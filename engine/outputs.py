@@ -44,6 +44,8 @@ class EngineStats:
     num_preemptions: int
     attention_path: str
     attention_counters: dict[str, float]
+    decode_path: str = ""          # CUDA graphs or eager; asynchronous or synchronous scheduling
+    num_graph_steps: int = 0       # decode steps replayed from a CUDA graph
 
     @property
     def kv_usage(self) -> float:

@@ -45,6 +45,10 @@ class _EngineCollector(Collector):
                                   value=stats.num_preemptions)
         yield InfoMetricFamily("fdserve_attention_path", "What the decode step runs",
                                value={"path": stats.attention_path})
+        yield InfoMetricFamily("fdserve_decode_path", "How decode steps run (graphs, scheduling)",
+                               value={"path": stats.decode_path})
+        yield CounterMetricFamily("fdserve_decode_graph_steps", "Decode steps replayed from a CUDA graph",
+                                  value=stats.num_graph_steps)
         counters = CounterMetricFamily("fdserve_attention", "The attention path's own counters",
                                        labels=["counter"])
         for name, value in sorted(stats.attention_counters.items()):

@@ -224,8 +224,11 @@ def test_metrics_exported(server, client):
                  "fdserve_time_to_first_token_seconds_bucket", "fdserve_time_per_output_token_seconds_bucket",
                  "fdserve_inter_token_latency_seconds_bucket", "fdserve_num_requests_waiting",
                  "fdserve_kv_cache_usage_ratio", "fdserve_prefix_cache_hit_rate", "fdserve_preemptions_total",
-                 "fdserve_attention_path_info"):
+                 "fdserve_attention_path_info", "fdserve_decode_graph_steps_total"):
         assert name in text, name
+    # on the CPU the decode path is eager (no CUDA graph), and says so
+    assert 'fdserve_decode_path_info{path="eager' in text and "asynchronous scheduling" in text
+    assert metric(server.root, "fdserve_decode_graph_steps_total") == 0
     assert metric(server.root, "fdserve_requests_total", '{route="chat",status="200"}') >= 1
 
 
