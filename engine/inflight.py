@@ -22,23 +22,28 @@ PLACEHOLDER = -1   # the token a step in flight is sampling; no real token id is
 class InFlightStep:
     seqs: list[Sequence]            # row i sampled tokens[i]; still-running rows end in PLACEHOLDER
     tokens: torch.Tensor            # [B] sampled ids, on the device
-    host: torch.Tensor              # [B] their copy on the host, complete once `ready` has passed
-    ready: Any = None               # CUDA event after that copy; None when the copy was synchronous
+    host: list[torch.Tensor]        # host copies of tokens and of the logprob tensors, if any
+    ready: Any = None               # CUDA event after those copies; None when they were synchronous
     counters: dict[str, Any] = field(default_factory=dict)
 
-    def token_ids(self) -> list[int]:
-        """Wait for this step (only this one: a later step may already be running) and read its ids."""
+    def read(self) -> tuple[list[int], list[list] | None]:
+        """Wait for this step (only this one: a later step may already be running); (token ids,
+        [chosen, top values, top ids] as lists, or None)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        lists = [t.tolist() for t in self.host]
+        return lists[0], (lists[1:] or None)
 
 
-def copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(host tensor, event) for an asynchronous device-to-host copy of `tokens`."""
-    if not tokens.is_cuda:
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """(host tensors, event) for an asynchronous device-to-host copy of `tensors`."""
+    if not tensors[0].is_cuda:
+        return tensors, None
+    host = []
+    for tensor in tensors:
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        pinned.copy_(tensor, non_blocking=True)
+        host.append(pinned)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready

@@ -20,7 +20,7 @@ from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, EngineStats, RequestOutput
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -238,8 +238,8 @@ class LLMEngine:
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
         logits, sampled, counters = self.runner.execute(seqs, input_ids)
         assert len(sampled) == len(seqs), "every row of an overlapped decode step samples"
-        tokens = self.sampler.sample_ids(logits, seqs)
-        host, ready = copy_to_host(tokens)
+        tokens, logprobs = self.sampler.sample_on_device(logits, seqs)
+        host, ready = copy_to_host([tokens, *(logprobs or [])])
         self.num_forwarded_tokens += len(seqs)
         for seq in seqs:
             seq.num_computed_tokens += 1
@@ -290,13 +290,14 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """Put the step's sampled tokens in place of the placeholders and report them."""
         touched: dict[str, _Request] = {}
-        for seq, token in zip(step.seqs, step.token_ids()):
+        token_ids, logprobs = step.read()
+        for seq, result in zip(step.seqs, self.sampler.results(token_ids, logprobs, step.seqs)):
             if seq.is_finished:   # aborted, or ended by the step before (this row is dropped)
                 continue
             if seq.token_ids[-1] != PLACEHOLDER:
                 raise RuntimeError(f"sequence {seq.seq_id} lost its in-flight token")
             seq.token_ids.pop()
-            self._on_token(seq, SampleResult(token, None))
+            self._on_token(seq, result)
             if not seq.is_finished:
                 self.block_manager.register_full_blocks(seq)
             touched[seq.request_id] = self.requests[seq.request_id]

@@ -70,17 +70,33 @@ class Sampler:
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Row i of `logits` [N, V] (float32) belongs to seqs[i]; returns one result per row."""
-        chosen = self.sample_ids(logits, seqs).tolist()
-        logprobs = self._logprobs(logits[:, :self.vocab_size], chosen, [s.params for s in seqs])
-        return [SampleResult(t, logprobs.get(i)) for i, t in enumerate(chosen)]
+        token_ids, logprobs = self.sample_on_device(logits, seqs)
+        return self.results(token_ids.tolist(), None if logprobs is None else [t.tolist() for t in logprobs],
+                            seqs)
+
+    def sample_on_device(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, list[Tensor] | None]:
+        """(token ids [N], logprob tensors or None), all on the logits' device, nothing read back:
+        `results` turns their host copies into SampleResults."""
+        token_ids = self.sample_ids(logits, seqs)
+        return token_ids, self._logprob_tensors(logits[:, :self.vocab_size], token_ids, [s.params for s in seqs])
+
+    def results(self, token_ids: list[int], logprobs: list[list] | None, seqs: list[Sequence]) -> list[SampleResult]:
+        params = [s.params for s in seqs]
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        found: dict[int, TokenLogprob] = {}
+        if logprobs is not None:
+            chosen, top_v, top_i = logprobs
+            for j, i in enumerate(rows):
+                n = params[i].logprobs
+                found[i] = TokenLogprob(token_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+        return [SampleResult(t, found.get(i)) for i, t in enumerate(token_ids)]
 
     @staticmethod
     def needs_history(params: SamplingParams) -> bool:
-        """Whether sampling reads the sequence's earlier output (penalties, min_tokens, processors)
-        or reports logprobs: such rows cannot be sampled before the previous token is on the host."""
+        """Whether sampling reads the sequence's earlier output (penalties, min_tokens, processors):
+        such rows cannot be sampled before the previous token is on the host."""
         return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-                    or params.logit_bias or params.logits_processors or params.min_tokens
-                    or params.logprobs is not None)
+                    or params.logit_bias or params.logits_processors or params.min_tokens)
 
     def sample_ids(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """The chosen token ids [N] on the logits' device; reads nothing back from the device."""
@@ -215,22 +231,17 @@ class Sampler:
 
     # -- logprobs --
 
-    def _logprobs(self, raw: Tensor, chosen_ids: list[int],
-                  params: list[SamplingParams]) -> dict[int, TokenLogprob]:
+    def _logprob_tensors(self, raw: Tensor, token_ids: Tensor, params: list[SamplingParams]) -> list[Tensor] | None:
+        """[chosen [R], top values [R, k], top ids [R, k]] for the R rows that ask for logprobs."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return {}
+            return None
         logp = torch.log_softmax(_take(raw, rows).float(), dim=-1)
-        ids = torch.tensor([chosen_ids[i] for i in rows], device=logp.device).unsqueeze(1)
-        chosen = logp.gather(1, ids).squeeze(1).tolist()
+        ids = _take(token_ids, rows) if len(rows) == len(params) else token_ids[torch.tensor(rows, device=raw.device)]
+        chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
         k = min(max(params[i].logprobs for i in rows), logp.shape[1])
         top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        result = {}
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            result[i] = TokenLogprob(chosen_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
-        return result
+        return [chosen, top_v, top_i]
 
 
 def _take(t: Tensor, rows: list[int]) -> Tensor:

@@ -89,18 +89,43 @@ def test_context_limit_ends_on_time(tiny_dir):
     assert outputs(a) == outputs(b) and len(a[0].token_ids) == 48 - 37
 
 
-def test_history_reading_rows_step_synchronously_in_a_mixed_batch(tiny_dir):
+def test_history_reading_rows_step_synchronously(tiny_dir):
     on, off = make_llm(tiny_dir, True), make_llm(tiny_dir, False)
     batch = prompts(3)
-    kinds = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
-             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
-             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=4)]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=4),
+             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={7: 2.0})]
     for params in kinds:
         seen = count_overlapped_steps(on)
         a = on.generate(batch, params)
         assert outputs(a) == outputs(off.generate(batch, params))
         assert not any(seen), f"{params} was launched before its previous token was read"
-    assert all(len(c.logprobs) == 10 for c in on.generate(batch, kinds[0])[0].outputs)
+
+
+def test_logprobs_are_read_back_with_their_step(tiny_dir):
+    """Logprobs are computed on the device when the step launches (the logits are overwritten by the
+    next step) and read back with its tokens: equal to the synchronous engine's, and overlapped."""
+    on, off = make_llm(tiny_dir, True), make_llm(tiny_dir, False)
+    batch = prompts(3)
+    mixed = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3),
+             SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True, logprobs=0)]
+    seen = count_overlapped_steps(on)
+    engine_on, engine_off = on.engine, off.engine
+    got = {}
+    for engine, sink in ((engine_on, got.setdefault("on", {})), (engine_off, got.setdefault("off", {}))):
+        for i, (prompt, params) in enumerate(zip(batch, mixed)):
+            engine.add_request(f"m{i}", prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                for delta in out.deltas:
+                    sink.setdefault(out.request_id, []).extend(
+                        (lp.token_id, round(lp.logprob, 5), [(t, round(v, 5)) for t, v in lp.top])
+                        for lp in delta.logprobs)
+    assert got["on"] == got["off"]
+    assert len(got["on"]["m0"]) == 10 and all(len(top) == 3 for _, _, top in got["on"]["m0"])
+    assert not got["on"].get("m1") and all(top == [] for _, _, top in got["on"]["m2"])
+    assert sum(seen) >= 5
 
 
 def test_abort_and_arrival_while_a_step_is_in_flight(tiny_dir):
