@@ -8,7 +8,7 @@ finishes (EOS, a stop string, length) simply has its step N+1 row dropped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +24,6 @@ class InFlightStep:
     tokens: torch.Tensor            # [B] sampled ids, on the device
     host: list[torch.Tensor]        # host copies of tokens and of the logprob tensors, if any
     ready: Any = None               # CUDA event after those copies; None when they were synchronous
-    counters: dict[str, Any] = field(default_factory=dict)
 
     def read(self) -> tuple[list[int], list[list] | None]:
         """Wait for this step (only this one: a later step may already be running); (token ids,
