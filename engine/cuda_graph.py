@@ -61,19 +61,10 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.counters: dict[int, dict[str, float]] = {}
-        # Host staging in pinned memory, so the per-step copies are asynchronous. Every step ends
-        # by reading its sampled tokens, so no copy from these is still pending when they are rewritten.
-        pin = device.type == "cuda"
-        self.host_long = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pin)
-        self.host_seq_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
-        self.host_block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._host_long = self.host_long.numpy()
-        self._host_seq_lens = self.host_seq_lens.numpy()
-        self._host_block_tables = self.host_block_tables.numpy()
-        # Whose table each staging row holds, and how many of its pages: a decode step usually adds
-        # no page, so rows are only appended to (a full rebuild is B × pages Python ints per step).
-        self.row_owner: list[tuple[int, int] | None] = [None] * max_batch
-        self.row_pages = [0] * max_batch
+        # Two sets of pinned host staging, used in turn: with asynchronous scheduling step N+1 is
+        # staged before step N's reads are known to be done, but never before step N-1's are.
+        self.staging = [_Staging(max_batch, max_blocks, pin=device.type == "cuda") for _ in range(2)]
+        self.current = 0
 
     # ----- capture ---------------------------------------------------------------------------
     def _metadata(self, batch: int, counters: dict[str, float]) -> AttentionMetadata:
@@ -116,9 +107,48 @@ class DecodeGraphs:
         return next(b for b in self.batch_sizes if b >= batch)
 
     def stage(self, seqs: list[Sequence], block_size: int) -> None:
-        """Write the step's inputs (one new token per sequence) into the pinned host buffers."""
-        batch = len(seqs)
-        host, tables = self._host_long, self._host_block_tables
+        """Write the step's inputs (one new token per sequence) into the next pinned staging set."""
+        self.current ^= 1
+        self.staging[self.current].write(seqs, block_size)
+
+    def run(self, batch: int, width: int, bucket: int, input_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Replay the bucket's graph on the staged inputs of `batch` sequences whose block tables are
+        at most `width` pages (token ids from the device tensor `input_ids` when given);
+        (float32 logits [batch, V], attention counters)."""
+        st = self.staging[self.current]
+        st.pad(batch, bucket)
+        self.input_ids[:bucket].copy_(st.tokens[0, :bucket], non_blocking=True)
+        if input_ids is not None:   # stream-ordered after the staging copy it overrides
+            self.input_ids[:batch].copy_(input_ids)
+        self.positions[:bucket].copy_(st.tokens[1, :bucket], non_blocking=True)
+        self.slot_mapping[:bucket].copy_(st.tokens[2, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(st.seq_lens[:bucket], non_blocking=True)
+        # Only the columns in use: the kernels read no page past a row's seq_lens.
+        self.block_tables[:batch, :width].copy_(st.block_tables[:batch, :width], non_blocking=True)
+        if bucket > batch:
+            self.block_tables[batch:bucket, 0] = 0
+        self.graphs[bucket].replay()
+        assert self.logits is not None
+        return self.logits[:batch], scaled_counters(self.counters[bucket], batch / bucket)
+
+
+class _Staging:
+    """One set of pinned host buffers for a step's graph inputs."""
+
+    def __init__(self, max_batch: int, max_blocks: int, pin: bool) -> None:
+        self.tokens = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pin)   # ids, positions, slots
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.np_tokens, self.np_seq_lens = self.tokens.numpy(), self.seq_lens.numpy()
+        self.np_block_tables = self.block_tables.numpy()
+        # Whose table each row holds, and how many of its pages: a decode step usually adds no
+        # page, so rows are only appended to (a full rebuild is B × pages Python ints per step).
+        self.row_owner: list[tuple[int, int] | None] = [None] * max_batch
+        self.row_pages = [0] * max_batch
+
+    def write(self, seqs: list[Sequence], block_size: int) -> None:
+        host, tables = self.np_tokens, self.np_block_tables
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
             table = seq.block_table
@@ -130,29 +160,13 @@ class DecodeGraphs:
             if have < len(table):
                 tables[i, have:len(table)] = table[have:]
             self.row_owner[i], self.row_pages[i] = owner, len(table)
-        self._host_seq_lens[:batch] = host[1, :batch] + 1
+        self.np_seq_lens[:len(seqs)] = host[1, :len(seqs)] + 1
 
-    def run(self, batch: int, width: int, bucket: int, input_ids: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Replay the bucket's graph on the staged inputs of `batch` sequences whose block tables are
-        at most `width` pages (token ids from the device tensor `input_ids` when given);
-        (float32 logits [batch, V], attention counters)."""
-        self._host_long[:2, batch:bucket] = 0     # padding rows embed token 0 at position 0,
-        self._host_long[2, batch:bucket] = -1     # store nothing
-        self._host_seq_lens[batch:bucket] = 1     # and read one row of page 0
-        self.input_ids[:bucket].copy_(self.host_long[0, :bucket], non_blocking=True)
-        if input_ids is not None:   # stream-ordered after the staging copy it overrides
-            self.input_ids[:batch].copy_(input_ids)
-        self.positions[:bucket].copy_(self.host_long[1, :bucket], non_blocking=True)
-        self.slot_mapping[:bucket].copy_(self.host_long[2, :bucket], non_blocking=True)
-        self.seq_lens[:bucket].copy_(self.host_seq_lens[:bucket], non_blocking=True)
-        # Only the columns in use: the kernels read no page past a row's seq_lens.
-        self.block_tables[:batch, :width].copy_(self.host_block_tables[:batch, :width], non_blocking=True)
-        if bucket > batch:
-            self.block_tables[batch:bucket, 0] = 0
-        self.graphs[bucket].replay()
-        assert self.logits is not None
-        return self.logits[:batch], scaled_counters(self.counters[bucket], batch / bucket)
+    def pad(self, batch: int, bucket: int) -> None:
+        """Rows batch..bucket embed token 0 at position 0, store nothing, read one row of page 0."""
+        self.np_tokens[:2, batch:bucket] = 0
+        self.np_tokens[2, batch:bucket] = -1
+        self.np_seq_lens[batch:bucket] = 1
 
 
 def scaled_counters(counters: dict[str, float], fraction: float) -> dict[str, float]:

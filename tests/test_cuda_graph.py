@@ -49,31 +49,72 @@ def _seq(seq_id_tokens: int, num_computed: int, table: list[int]):
 
 
 def test_staging_appends_pages_and_rebuilds_rows_that_change_owner():
-    """The pinned staging rows are only appended to while a row keeps its sequence; a new
-    sequence in the row, or the same one after preemption, rewrites it."""
-    from engine.cuda_graph import DecodeGraphs
+    """A staging set's rows are only appended to while a row keeps its sequence; a new sequence in
+    the row, or the same one after preemption, rewrites it."""
+    from engine.cuda_graph import _Staging
 
-    graphs = DecodeGraphs(torch.nn.Identity(), None, torch.device("cpu"), max_batch=4, max_blocks=8)
+    st = _Staging(max_batch=4, max_blocks=8, pin=False)
     bs = 4
     a = _seq(10, 9, [5, 6, 7])          # position 9: page 7, row 1
     b = _seq(4, 3, [2])                  # position 3: page 2, row 3
-    graphs.stage([a, b], bs)
-    assert graphs._host_long[:, :2].tolist() == [[a.token_ids[9], b.token_ids[3]], [9, 3], [7 * 4 + 1, 2 * 4 + 3]]
-    assert graphs._host_seq_lens[:2].tolist() == [10, 4]
-    assert graphs._host_block_tables[0, :3].tolist() == [5, 6, 7]
+    st.write([a, b], bs)
+    assert st.np_tokens[:, :2].tolist() == [[a.token_ids[9], b.token_ids[3]], [9, 3], [7 * 4 + 1, 2 * 4 + 3]]
+    assert st.np_seq_lens[:2].tolist() == [10, 4]
+    assert st.np_block_tables[0, :3].tolist() == [5, 6, 7]
     # b grows a page; a keeps its row
     a.token_ids.append(11); a.num_computed_tokens = 10
     b.token_ids.append(12); b.num_computed_tokens = 4; b.block_table.append(9)
-    graphs.stage([a, b], bs)
-    assert graphs._host_block_tables[1, :2].tolist() == [2, 9]
-    assert graphs._host_long[2, :2].tolist() == [7 * 4 + 2, 9 * 4 + 0]
+    st.write([a, b], bs)
+    assert st.np_block_tables[1, :2].tolist() == [2, 9]
+    assert st.np_tokens[2, :2].tolist() == [7 * 4 + 2, 9 * 4 + 0]
     # rows swap owners: each row is rebuilt from its new sequence
-    graphs.stage([b, a], bs)
-    assert graphs._host_block_tables[0, :2].tolist() == [2, 9]
-    assert graphs._host_block_tables[1, :3].tolist() == [5, 6, 7]
+    st.write([b, a], bs)
+    assert st.np_block_tables[0, :2].tolist() == [2, 9]
+    assert st.np_block_tables[1, :3].tolist() == [5, 6, 7]
     # a is preempted and recomputed into other pages: its row is rebuilt, not appended to
     a.num_preemptions += 1
     a.block_table = [1, 3, 0]
-    graphs.stage([b, a], bs)
-    assert graphs._host_block_tables[1, :3].tolist() == [1, 3, 0]
-    assert graphs._host_long[2, 1] == 0 * 4 + 2
+    st.write([b, a], bs)
+    assert st.np_block_tables[1, :3].tolist() == [1, 3, 0]
+    assert st.np_tokens[2, 1] == 0 * 4 + 2
+    st.pad(2, 4)
+    assert st.np_tokens[:, 2:4].tolist() == [[0, 0], [0, 0], [-1, -1]] and st.np_seq_lens[2:4].tolist() == [1, 1]
+
+
+def test_graphs_alternate_staging_sets():
+    """Consecutive steps stage into different pinned sets: with asynchronous scheduling step N+1 is
+    written while step N's copies may still be pending."""
+    from engine.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(torch.nn.Identity(), None, torch.device("cpu"), max_batch=4, max_blocks=8)
+    a = _seq(10, 9, [5, 6, 7])
+    graphs.stage([a], 4)
+    first = graphs.current
+    a.token_ids.append(11); a.num_computed_tokens = 10
+    graphs.stage([a], 4)
+    assert graphs.current != first
+    assert graphs.staging[first].np_tokens[1, 0] == 9 and graphs.staging[graphs.current].np_tokens[1, 0] == 10
+
+
+def test_run_copies_the_staged_set_pads_and_overrides_token_ids():
+    """`run` (with a stand-in graph: the copies and padding are what is checked) fills the static
+    inputs from the current staging set, pads rows past the batch, and takes device token ids."""
+    from engine.cuda_graph import DecodeGraphs
+
+    class Replayed:
+        calls = 0
+
+        def replay(self):
+            Replayed.calls += 1
+
+    graphs = DecodeGraphs(torch.nn.Identity(), None, torch.device("cpu"), max_batch=4, max_blocks=8)
+    graphs.graphs, graphs.counters = {2: Replayed()}, {2: {"rows": 8.0}}
+    graphs.logits = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    a = _seq(10, 9, [5, 6, 7])
+    graphs.input_ids.fill_(99)   # stale values from an earlier, wider step
+    graphs.stage([a], 4)
+    logits, counters = graphs.run(1, 3, 2, input_ids=torch.tensor([42]))
+    assert Replayed.calls == 1 and logits.shape == (1, 5) and counters == {"rows": 4.0}
+    assert graphs.input_ids[:2].tolist() == [42, 0] and graphs.positions[:2].tolist() == [9, 0]
+    assert graphs.slot_mapping[:2].tolist() == [7 * 4 + 1, -1] and graphs.seq_lens[:2].tolist() == [10, 1]
+    assert graphs.block_tables[0, :3].tolist() == [5, 6, 7] and graphs.block_tables[1, 0] == 0
