@@ -82,6 +82,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.graphs_text = self._capture_graphs()
+        self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
+                                               else "; synchronous scheduling")
         self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
@@ -229,11 +231,14 @@ class LLMEngine:
     def _overlappable(self, seqs: list[Sequence]) -> bool:
         """A decode step whose every row can be sampled before the previous token is on the host,
         while no waiting request could be admitted instead."""
-        scheduler = self.scheduler
-        return (self.async_scheduling and
-                (not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs) and
+        return (self.async_scheduling and not self._admission_possible() and
                 all(seq.num_scheduled_tokens == 1 and seq.num_computed_tokens + 1 == len(seq)
                     and not Sampler.needs_history(seq.params) for seq in seqs))
+
+    def _admission_possible(self) -> bool:
+        """A waiting request could join the batch now: run the scheduler rather than step ahead."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and len(scheduler.running) < scheduler.max_num_seqs
 
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
         logits, sampled, counters = self.runner.execute(seqs, input_ids)
@@ -255,9 +260,7 @@ class LLMEngine:
     def _may_follow(self, seq: Sequence) -> bool:
         """Whether `seq` may still be running after its token in flight (a length limit is known now;
         EOS and stop strings are not, and cost one dropped row)."""
-        params = seq.params
-        return (not seq.is_finished and seq.num_output_tokens < (params.max_tokens or self.max_new_tokens)
-                and (seq.max_total_tokens is None or len(seq) < seq.max_total_tokens))
+        return not seq.is_finished and not self._at_length_limit(seq)
 
     def _step_in_flight(self) -> list[RequestOutput]:
         """Launch the next decode step on the device-side tokens of the one in flight, then read
@@ -265,9 +268,8 @@ class LLMEngine:
         current = self.in_flight
         assert current is not None
         following = [seq for seq in current.seqs if self._may_follow(seq)]
-        bm, scheduler = self.block_manager, self.scheduler
-        launch = (following and self.async_scheduling and
-                  (not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_seqs) and
+        bm = self.block_manager
+        launch = (following and not self._admission_possible() and
                   sum(bm.blocks_needed(seq, 1) for seq in following) <= bm.num_free_blocks)
         following_step = None
         if launch:
@@ -317,10 +319,13 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP)
         elif token in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self._finish(seq, FinishReason.STOP)
-        elif seq.num_output_tokens >= (params.max_tokens or self.max_new_tokens):
+        elif self._at_length_limit(seq):
             self._finish(seq, FinishReason.LENGTH)
-        elif seq.max_total_tokens is not None and len(seq) >= seq.max_total_tokens:
-            self._finish(seq, FinishReason.LENGTH)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        """max_tokens generated, or the context (model or KV capacity) full."""
+        return (seq.num_output_tokens >= (seq.params.max_tokens or self.max_new_tokens)
+                or (seq.max_total_tokens is not None and len(seq) >= seq.max_total_tokens))
 
     def _choice_of(self, seq: Sequence) -> _Choice:
         return self.requests[seq.request_id].choices[seq.choice_index]
@@ -369,8 +374,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
             attention_counters={k: float(v) for k, v in self.attention_counters.items()},
-            decode_path=self.graphs_text + ("; asynchronous scheduling" if self.async_scheduling
-                                            else "; synchronous scheduling"),
+            decode_path=self.decode_path,
             num_graph_steps=self.runner.num_graph_steps)
 
 
