@@ -217,7 +217,7 @@ def run_bench(timer, seed: int, copy_bw: float, cfg: DecodeConfig, pages=(16, 64
 
 
 def pick_config(sweep: list[dict]) -> DecodeConfig:
-    """The sweep config with the lowest geometric-mean flash and fdpp time over the sweep shapes."""
+    """The sweep config with the lowest geometric-mean flash time over the sweep shapes."""
     scores: dict[str, list[float]] = {}
     for r in sweep:
         if "us" in r:
@@ -227,19 +227,19 @@ def pick_config(sweep: list[dict]) -> DecodeConfig:
 
 
 def sweep_configs() -> list[DecodeConfig]:
-    """The in-loop page-table read against page ids held in registers per window (earlier sweeps
-    of tile size, stages, occupancy and register prefetch are in bench/RESULTS.md)."""
-    return [DecodeConfig(),                                             # Triton pipeliner, page ids in-loop
-            DecodeConfig(block_n=64, num_stages=3, page_window=32),      # page ids in registers per window
-            DecodeConfig(block_n=64, num_stages=3, num_warps=8, page_window=32),
-            DecodeConfig(block_n=64, num_stages=4, page_window=32),
-            DecodeConfig(block_n=128, num_stages=3, num_warps=8, page_window=32),
-            DecodeConfig(block_n=64, num_stages=3, page_window=64)]
+    """Split size at small contexts: shorter splits (more, shorter programs at B = 1) against the
+    default. Earlier sweeps (tile size, stages, occupancy, register prefetch, page ids per window,
+    a merge fused into the split kernel) are in bench/RESULTS.md."""
+    return [DecodeConfig(),                                      # 128-token tiles, splits >= 256 tokens
+            DecodeConfig(min_chunk=128),
+            DecodeConfig(block_n=64, min_chunk=64),
+            DecodeConfig(block_n=64, min_chunk=128),
+            DecodeConfig(min_chunk=128, max_splits=128)]
 
 
 def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(1, 4 * K), (1, 16 * K), (1, 128 * K), (8, 16 * K), (32, 16 * K)]
+    shapes = [(1, 1 * K), (1, 4 * K), (1, 16 * K), (1, 128 * K), (8, 1 * K), (8, 16 * K), (32, 16 * K)]
     rows = []
     for page in (16,):
         for batch, length in shapes:
@@ -247,32 +247,31 @@ def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
             k, v, tables, seq_lens = paged_kv([length] * batch, page, gen)
             ref = reference_fp32(q, k, v, tables, seq_lens)
             for cfg in sweep_configs():
-                for variant in ("flash", "fdpp"):
-                    out = torch.empty_like(q)
-                    row = {"page": page, "B": batch, "L": length, "variant": variant, "config": repr(cfg)}
-                    try:
-                        us = timer(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,
-                                                            variant=variant, out=out, config=cfg), reps=50)
-                    except Exception as exc:   # a config that does not compile is data too
-                        rows.append({**row, "error": str(exc)[:300]})
-                        continue
-                    rows.append({**row, "us": us, "err": rel_err(out, ref),
-                                 "frac": kv_bytes(batch, length) / (us * 1e-6) / copy_bw})
+                out = torch.empty_like(q)
+                row = {"page": page, "B": batch, "L": length, "variant": "flash", "config": repr(cfg)}
+                try:
+                    us = timer(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,  # noqa: B023
+                                                        variant="flash", out=out, config=cfg), reps=50)
+                except Exception as exc:   # a config that does not compile is data too
+                    rows.append({**row, "error": str(exc)[:300]})
+                    continue
+                rows.append({**row, "us": us, "err": rel_err(out, ref),
+                             "frac": kv_bytes(batch, length) / (us * 1e-6) / copy_bw})
             del k, v
             torch.cuda.empty_cache()
     return rows
 
 
 def print_sweep(rows: list[dict]) -> None:
-    """One line per config: µs at each sweep shape, flash / fdpp."""
+    """One line per config: flash µs at each sweep shape."""
     shapes = sorted({(r["B"], r["L"]) for r in rows})
-    print("sweep (P=16), µs flash/fdpp at " + ", ".join(f"B{b} L{l // K}K" for b, l in shapes))
+    print("sweep (P=16), flash µs at " + ", ".join(f"B{b} L{l // K}K" for b, l in shapes))
     for cfg in dict.fromkeys(r["config"] for r in rows):
         cells = []
         for shape in shapes:
-            got = {r["variant"]: r for r in rows if r["config"] == cfg and (r["B"], r["L"]) == shape}
-            cells.append("/".join(f"{got[v]['us']:.1f}" if "us" in got.get(v, {}) else "ERR" for v in ("flash", "fdpp")))
-        short = cfg.replace("DecodeConfig", "").replace(", merge_warps=4, extra={}", "").replace("max_splits=64, ", "")
+            got = next((r for r in rows if r["config"] == cfg and (r["B"], r["L"]) == shape), {})
+            cells.append(f"{got['us']:.1f}" if "us" in got else "ERR")
+        short = cfg.replace("DecodeConfig", "").replace(", merge_warps=4", "").replace(", extra={}", "")
         print(f"  {short}: " + " | ".join(cells))
     errs = [r for r in rows if "error" in r]
     for r in errs[:3]:

@@ -45,6 +45,17 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+class RotaryFn(Protocol):
+    """A rotary embedding (`engine.layers.RotaryEmbedding`): rotate, or rotate and store k/v."""
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                         ) -> torch.Tensor: ...
+
+
 class DecodeFn(Protocol):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
@@ -59,12 +70,17 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @dataclass
 class AttentionBackend:
-    """The functions a step's attention runs: KV store, prefill over pages, decode."""
+    """The functions a step's attention runs: KV store, prefill over pages, decode.
+
+    `fuse_rope_store`: `store_kv` is the plain cache write, so the layer may rotate k and store
+    it with v in one launch (`RotaryFn.rotate_and_store`, on a GPU) instead of two.
+    """
 
     name: str
     decode: DecodeFn = reference_decode
     store_kv: Callable[..., None] = reference.store_kv_ref
     prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
+    fuse_rope_store: bool = False
 
 
 @dataclass
@@ -108,17 +124,28 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q[T, Hq*D], k/v[T, Hkv*D] -> out[T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryFn | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q[T, Hq*D], k/v[T, Hkv*D] -> out[T, Hq*D]; with `rotary`, q and k are rotated at
+        `positions` first (fused with the KV store where the backend allows it)."""
         ctx = get_forward_context()
         meta = ctx.metadata
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not allocated for attention layer %d" % self.layer_idx)
         num_tokens = q.shape[0]
+        if rotary is not None and positions is None:
+            raise ValueError("Attention: rotary needs positions")
+        stored = False
+        if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
+            q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            stored = True
+        elif rotary is not None:
+            q, k = rotary(positions, q, k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not stored:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             out = ctx.backend.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                      scale=self.scale, layer_idx=self.layer_idx, counters=meta.counters)

@@ -158,5 +158,7 @@ def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
     details = [splits_text]
     if variant == "fdpp":
         details += [phi_text, f"fallback={'on' if fallback else 'off (counted only)'}"]
-    name = f"{where}: {title} ({', '.join(details)}); prefill + kv store: {where}"
-    return KernelAttentionBackend(name=name, decode=decode, store_kv=store, prefill=prefill, variant=variant)
+    store_text = f"{where}, fused with RoPE" if on_gpu else where
+    name = f"{where}: {title} ({', '.join(details)}); prefill: {where}; kv store: {store_text}"
+    return KernelAttentionBackend(name=name, decode=decode, store_kv=store, prefill=prefill, variant=variant,
+                                  fuse_rope_store=on_gpu)

@@ -122,22 +122,32 @@ class GraphTimer:
 
 def candidate_configs(impl: str, m: int, n: int, k: int, num_sms: int, vendor: str, double_buffer: bool,
                       quick: bool = False) -> list[MatmulConfig]:
-    """The default config plus a grid around it: N and K tiles, split-K off / filling the SMs, depths."""
+    """The default config plus a grid around it: N and K tiles, split-K off / filling the SMs, depths.
+
+    GEMV tiles hold 4K-16K weight elements per CTA and step, from a few rows streamed whole (K up
+    to 4096 in one load, so every CTA has all its bytes in flight at once) to the 16 x 512 default;
+    4 or 8 warps. Its loop carries no dot, so it gets one pipeline depth.
+    """
     from kernels.matmul import auto_split_k, default_config
 
     base = default_config(impl, m, n, k, num_sms, vendor)
     if impl == "gemv":
-        block_ns, block_ks = ((base.block_n,), (base.block_k,)) if quick else ((8, 16, 32), (128, 256, 512))
+        tiles = ((base.block_n, base.block_k),) if quick else tuple(
+            (bn, bk) for bn in (1, 2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048, 4096)
+            if 4096 <= bn * bk <= 16384 and bk <= max(256, 1 << (k - 1).bit_length()))
+        warps = (base.num_warps,) if quick else (4, 8)
+        depths: tuple[int, ...] = (base.num_stages,)
     else:
-        block_ns, block_ks = ((32, 64, 128), (base.block_k,)) if quick else ((32, 64, 128), (128, 256))
-    # With double_buffer off every config runs one stage, so depths would only repeat timings.
-    depths = (base.num_stages,) if quick or not double_buffer else ((2, 3) if vendor == "amd" else (3, 4))
+        tiles = tuple(product((32, 64, 128), (base.block_k,) if quick else (128, 256)))
+        warps = (base.num_warps,)
+        # With double_buffer off every config runs one stage, so depths would only repeat timings.
+        depths = (base.num_stages,) if quick or not double_buffer else ((2, 3) if vendor == "amd" else (3, 4))
     m_tiles = -(-m // base.block_m) if impl == "flat" else 1
     found = {base}
-    for bn, bk, stages in product(block_ns, block_ks, depths):
+    for (bn, bk), nw, stages in product(tiles, warps, depths):
         auto = auto_split_k(-(-n // bn) * m_tiles, k, bk, num_sms)
         for split in ({auto} if quick else {1, auto}):
-            found.add(replace(base, block_n=bn, block_k=bk, split_k=split, num_stages=stages))
+            found.add(replace(base, block_n=bn, block_k=bk, split_k=split, num_stages=stages, num_warps=nw))
     return [c for c in sorted(found, key=str) if _fits(impl, c, m, double_buffer)]
 
 

@@ -1,4 +1,5 @@
-"""Fused element-wise kernels of a decoder layer: residual add + RMSNorm, SiLU-and-mul, RoPE.
+"""Fused element-wise kernels of a decoder layer: residual add + RMSNorm, SiLU-and-mul, RoPE, and
+RoPE + KV-cache store.
 
 Each replaces several small torch launches by one, and matches the torch modules of
 `engine/layers.py` numerically: low-precision values are rounded where torch rounds them (the
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.reference import store_kv_ref
 
 MAX_NORM_HIDDEN = 16384   # one row lives in registers; beyond this it would spill
 SILU_BLOCK = 1024         # columns of the intermediate size per program
@@ -55,6 +58,17 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return torch.cat((rotated, heads[..., rotary_dim:]), dim=-1).reshape(x.shape[0], -1)
 
     return rotate(q), rotate(k)
+
+
+def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
+                                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    q, k = rotary_embedding_ref(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
+    num_tokens, num_kv_heads = k.shape[0], k.shape[1] // head_dim
+    store_kv_ref(k.view(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim),
+                 k_cache, v_cache, slot_mapping)
+    return q
 
 
 # ----- RMSNorm ---------------------------------------------------------------------------------
@@ -160,25 +174,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ----- rotary embedding ------------------------------------------------------------------------
 
 @triton.jit
-def _rotate_heads(X, OUT, t, h0, num_heads, stride_x, stride_o, cos, sin,
-                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
-    """Heads [h0, h0 + BLOCK_H) of token t: GPT-NeoX rotation of the first 2*HALF features in
-    float32, the other PASS features copied bit for bit."""
+def _rotate_heads(X_ROW, OUT_ROW, h0, num_heads, stride_xh, stride_oh, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """Heads [h0, h0 + BLOCK_H) of one token row: GPT-NeoX rotation of the first 2*HALF features
+    in float32, the other PASS features copied bit for bit."""
     heads = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (d < HALF)[None, :]
-    src = X + t * stride_x + heads[:, None] * HEAD_DIM + d[None, :]
-    dst = OUT + t * stride_o + heads[:, None] * HEAD_DIM + d[None, :]
+    src = X_ROW + heads[:, None] * stride_xh + d[None, :]
+    dst = OUT_ROW + heads[:, None] * stride_oh + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(dst, (x1 * cos - x2 * sin).to(OUT_ROW.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(OUT_ROW.dtype.element_ty), mask=mask)
     if PASS > 0:
         p = tl.arange(0, BLOCK_PASS)
         pmask = (heads < num_heads)[:, None] & (p < PASS)[None, :]
-        offs = heads[:, None] * HEAD_DIM + 2 * HALF + p[None, :]
-        tl.store(OUT + t * stride_o + offs, tl.load(X + t * stride_x + offs, mask=pmask), mask=pmask)
+        rest = 2 * HALF + p[None, :]
+        tl.store(OUT_ROW + heads[:, None] * stride_oh + rest,
+                 tl.load(X_ROW + heads[:, None] * stride_xh + rest, mask=pmask), mask=pmask)
+
+
+@triton.jit
+def _cos_sin(POS, COS, SIN, t, stride_c, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pos = tl.load(POS + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(COS + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    sin = tl.load(SIN + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -188,17 +212,46 @@ def _rotary_kernel(POS, Q, K, Q_OUT, K_OUT, COS, SIN, stride_q, stride_k, stride
                    BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(POS + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(COS + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
-    sin = tl.load(SIN + pos * stride_c + d, mask=d < HALF, other=0.0)[None, :]
+    cos, sin = _cos_sin(POS, COS, SIN, t, stride_c, HALF, BLOCK_HALF)
     # Program blocks [0, q_blocks) cover the query heads, the rest the key heads: one launch.
     if hb < q_blocks:
-        _rotate_heads(Q, Q_OUT, t, hb * BLOCK_H, num_q_heads, stride_q, stride_qo, cos, sin,
-                      HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+        _rotate_heads(Q + t * stride_q, Q_OUT + t * stride_qo, hb * BLOCK_H, num_q_heads, HEAD_DIM, HEAD_DIM,
+                      cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
     else:
-        _rotate_heads(K, K_OUT, t, (hb - q_blocks) * BLOCK_H, num_k_heads, stride_k, stride_ko, cos, sin,
-                      HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+        _rotate_heads(K + t * stride_k, K_OUT + t * stride_ko, (hb - q_blocks) * BLOCK_H, num_k_heads, HEAD_DIM,
+                      HEAD_DIM, cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+
+
+@triton.jit
+def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, COS, SIN,
+                         stride_q, stride_k, stride_v, stride_qo, stride_c, stride_cb, stride_ct, stride_ch,
+                         num_q_heads, num_kv_heads, q_blocks, kv_blocks,
+                         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Blocks [0, q_blocks): rotate q heads; then k heads, rotated straight into the cache row of
+    the token's slot; then v heads, copied there (slot -1: padding, nothing stored)."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    if hb < q_blocks:
+        cos, sin = _cos_sin(POS, COS, SIN, t, stride_c, HALF, BLOCK_HALF)
+        _rotate_heads(Q + t * stride_q, Q_OUT + t * stride_qo, hb * BLOCK_H, num_q_heads, HEAD_DIM, HEAD_DIM,
+                      cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+    else:
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot >= 0:
+            row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
+            if hb < q_blocks + kv_blocks:
+                cos, sin = _cos_sin(POS, COS, SIN, t, stride_c, HALF, BLOCK_HALF)
+                _rotate_heads(K + t * stride_k, K_CACHE + row, (hb - q_blocks) * BLOCK_H, num_kv_heads, HEAD_DIM,
+                              stride_ch, cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+            else:
+                heads = (hb - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+                d = tl.arange(0, BLOCK_D)
+                mask = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+                val = tl.load(V + t * stride_v + heads[:, None] * HEAD_DIM + d[None, :], mask=mask)
+                tl.store(V_CACHE + row + heads[:, None] * stride_ch + d[None, :],
+                         val.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
 def _check_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
@@ -220,6 +273,12 @@ def _check_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
         raise ValueError("rotary_embedding: cos_cache and sin_cache must share strides")
 
 
+def _head_block(num_kv_heads: int, half: int) -> int:
+    """Heads per program: sized to the KV heads (capped at ~1K rotated pairs), so k is one program
+    and q a few: a decode token spreads over several SMs with no idle rows."""
+    return min(triton.next_power_of_2(max(num_kv_heads, 1)), max(1, 1024 // triton.next_power_of_2(half)))
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                      sin_cache: torch.Tensor, head_dim: int, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """positions[T]; q[T, Hq*D], k[T, Hkv*D] -> new contiguous (q, k), GPT-NeoX RoPE of the first
@@ -235,15 +294,47 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if num_tokens == 0 or num_q_heads + num_k_heads == 0:
         return q_out, k_out
     half, rest = rotary_dim // 2, head_dim - rotary_dim
-    # Blocks of whole heads sized to the KV heads (capped at ~1K rotated pairs), so k is one
-    # program and q a few: a decode token spreads over several SMs with no idle rows.
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(num_k_heads, 1)), max(1, 1024 // block_half))
+    block_h = _head_block(num_k_heads, half)
     q_blocks = triton.cdiv(num_q_heads, block_h)
     _rotary_kernel[(num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))](
         positions, q, k, q_out, k_out, cos_cache, sin_cache,
         q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_cache.stride(0),
         num_q_heads, num_k_heads, q_blocks,
-        HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
         PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)), num_warps=4)
     return q_out, k_out
+
+
+def rotary_embedding_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rotary_embedding` and `kernels.store_kv` in one launch: returns the rotated q; the rotated
+    k and v[T, Hkv*D] go straight into caches[num_blocks, block_size, Hkv, D] at slot_mapping[T]
+    (-1 skips). k never exists rotated outside the cache. The caches must have k's dtype (the
+    unfused path rounds the rotated k to k's dtype before the store casts it)."""
+    _check_rotary(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
+    num_tokens = positions.shape[0]
+    num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if (v.shape != k.shape or v.stride(1) != 1 or k_cache.stride() != v_cache.stride()
+            or k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.stride(3) != 1
+            or k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(f"rotary_embedding_and_store: v must be shaped like k {tuple(k.shape)}, the caches "
+                         f"[blocks, page, {num_kv_heads}, {head_dim}] of k's dtype {k.dtype} with shared strides, "
+                         f"slot_mapping [{num_tokens}]; got v {tuple(v.shape)}, caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}/{v_cache.dtype}, slot_mapping {tuple(slot_mapping.shape)}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half, rest = rotary_dim // 2, head_dim - rotary_dim
+    block_h = _head_block(num_kv_heads, half)
+    q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    _rotary_store_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
+        positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_cache, sin_cache,
+        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_heads, num_kv_heads, q_blocks, kv_blocks,
+        PAGE=k_cache.shape[1], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(half), PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return q_out

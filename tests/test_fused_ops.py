@@ -1,4 +1,4 @@
-"""Fused RMSNorm / SiLU-and-mul / RoPE kernels against their torch references and the modules.
+"""Fused RMSNorm / SiLU-and-mul / RoPE (and RoPE + KV store) kernels against their torch references and the modules.
 
 float32 tests run under Triton's interpreter without a GPU (on a GPU, compiled). The bf16/fp16
 tests need a GPU and compare with the same torch code on it: both round at the same points, so
@@ -131,6 +131,70 @@ def test_rotary_embedding(tokens: int, head_dim: int, rotary_dim: int, heads: in
     tail = slice(rotary_dim, head_dim)
     assert torch.equal(got_q.view(tokens, heads, head_dim)[..., tail], q.reshape(tokens, heads, head_dim)[..., tail])
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("head_dim,rotary_dim,heads,kv_heads", ROPE_CASES)
+def test_rotary_embedding_and_store(tokens: int, head_dim: int, rotary_dim: int, heads: int, kv_heads: int) -> None:
+    """One launch = RoPE then the KV store: the same q, the same cache bytes (rotated k, v), padding
+    slots (-1) and untouched cache rows left alone; q/k/v are strided slices of one qkv row."""
+    rope = RotaryEmbedding(head_dim, rotary_dim, max_position=512, base=10000.0).to(DEVICE)
+    positions = (torch.randperm(400, generator=torch.Generator().manual_seed(tokens))[:tokens] + 3).to(DEVICE)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=tokens + 7 * head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    page = 4
+    slots = torch.randperm(6 * page, generator=torch.Generator().manual_seed(tokens))[:tokens].to(DEVICE)
+    slots[0] = -1   # a padding row of a CUDA-graph batch
+    caches = [randn(6, page, kv_heads, head_dim, seed=s) for s in (1, 2)]
+    want_caches = [c.clone() for c in caches]
+
+    got_q = fused.rotary_embedding_and_store(positions, q, k, v, rope.cos_cache, rope.sin_cache, head_dim,
+                                             rotary_dim, caches[0], caches[1], slots)
+    want_q = fused.rotary_embedding_and_store_ref(positions, q, k, v, rope.cos_cache, rope.sin_cache, head_dim,
+                                                  rotary_dim, want_caches[0], want_caches[1], slots)
+    assert_close(got_q, want_q, TOL32, "rope+store q vs reference")
+    assert_close(caches[0], want_caches[0], TOL32, "rope+store k cache vs reference")
+    assert torch.equal(caches[1], want_caches[1]), "v is copied bit for bit"
+    unfused_q, unfused_k = rope(positions, q, k)
+    written = slots[slots >= 0]
+    flat_k = caches[0].view(-1, kv_heads * head_dim)
+    if written.numel():
+        assert_close(flat_k[written], unfused_k[slots >= 0], TOL32, "cached k vs RotaryEmbedding")
+    assert_close(got_q, unfused_q, TOL32, "q vs RotaryEmbedding")
+    untouched = torch.ones(6 * page, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    fresh = randn(6, page, kv_heads, head_dim, seed=1).view(-1, kv_heads * head_dim)
+    assert torch.equal(flat_k[untouched], fresh[untouched]), "rows of other slots are never written"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_rotary_embedding_and_store_low_precision_equals_the_two_launches(dtype: torch.dtype) -> None:
+    """Llama-3.1-8B heads: the fused launch writes the bytes RoPE + store_kv write (same rounding)."""
+    from kernels import store_kv
+    rope = RotaryEmbedding(128, 128, max_position=4096, base=500000.0).to(DEVICE)
+    tokens, heads, kv_heads = 7, 32, 8
+    positions = torch.tensor([0, 1, 17, 1000, 2047, 3000, 4095], device=DEVICE)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * 128, seed=3, dtype=dtype)
+    q, k, v = qkv.split([heads * 128, kv_heads * 128, kv_heads * 128], dim=-1)
+    slots = torch.tensor([5, -1, 16, 17, 40, 2, 63], device=DEVICE)
+    fused_caches = [torch.zeros(4, 16, kv_heads, 128, dtype=dtype, device=DEVICE) for _ in range(2)]
+    split_caches = [c.clone() for c in fused_caches]
+    got_q = rope.rotate_and_store(positions, q, k, v, *fused_caches, slots)
+    want_q, want_k = fused.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, 128, 128)
+    store_kv(want_k.view(tokens, kv_heads, 128), v.reshape(tokens, kv_heads, 128), *split_caches, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(fused_caches[0], split_caches[0]) and torch.equal(fused_caches[1], split_caches[1])
+
+
+def test_rotary_embedding_and_store_refuses_a_cache_of_another_dtype() -> None:
+    rope = RotaryEmbedding(64, 64, 16, 10000.0)
+    pos = torch.arange(2)
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="caches"):
+        fused.rotary_embedding_and_store(pos, torch.randn(2, 64), torch.randn(2, 64), torch.randn(2, 64),
+                                         rope.cos_cache, rope.sin_cache, 64, 64, cache, cache.clone(),
+                                         torch.arange(2))
 
 
 def test_empty_batch() -> None:

@@ -70,6 +70,17 @@ def test_gemv_matches_float64(m, dtype, bias, split_k, double_buffer):
     assert rel_err(out, matmul_ref(x, w, b, torch.float64)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("block_n,block_k,m", [(1, 256, 1), (2, 256, 2), (4, 512, 1)])
+def test_gemv_whole_rows_in_one_step(block_n, block_k, m):
+    """The tune's GEMV tiles that stream a few rows whole: BLOCK_K >= K (one masked step), N not a
+    multiple of BLOCK_N (odd N with 2- and 4-row tiles), 1-row tiles."""
+    n = 37
+    x, w, b = operands(m, n, K, torch.float32, True, seed=4)
+    cfg = MatmulConfig(block_n=block_n, block_k=block_k, num_stages=3, num_warps=8)
+    assert plan("gemv", m, n, K, cfg, True).grid == (-(-n // block_n), 1, 1)
+    assert rel_err(gemv(x, w, b, config=cfg), matmul_ref(x, w, b, torch.float64)) < TOL[torch.float32]
+
+
 def test_even_k_strided_and_batched_inputs():
     """K a multiple of the tile (the unmasked loop), x a strided view with leading dims."""
     base, w, b = operands(6, 24, 96 + 5, torch.float16, True, seed=2)
@@ -271,6 +282,9 @@ def test_tune_helpers():
     assert len(off) < len(on) and all(c.block_m == 16 for c in on)
     gemv_cands = candidate_configs("gemv", 8, 4096, 4096, 132, "nvidia", True)
     assert gemv_cands and all(8 * c.block_n * c.block_k <= 128 * 32 * c.num_warps for c in gemv_cands)
+    whole_rows = candidate_configs("gemv", 1, 4096, 4096, 132, "nvidia", True)
+    assert {(c.block_n, c.block_k) for c in whole_rows} >= {(1, 4096), (4, 4096), (16, 512)}
+    assert {c.num_warps for c in whole_rows} == {4, 8}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

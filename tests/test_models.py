@@ -68,6 +68,26 @@ def test_decode_matches_transformers(tiny) -> None:
     torch.testing.assert_close(torch.cat(got_b), _hf_logits(model_dir, seq_b), atol=ATOL, rtol=0)
 
 
+def test_fused_rope_and_kv_store_path_matches_transformers(tmp_path: Path) -> None:
+    """A backend that fuses RoPE with the KV store (the GPU kernel backends; here the same Triton
+    kernel under the interpreter) gives transformers' logits through prefill, a mixed step and decode."""
+    from engine.attention import AttentionBackend
+    model_dir = make_tiny_model(tmp_path / "llama", "llama")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    driver = PagedModelDriver(model, num_blocks=16, block_size=16,
+                              backend=AttentionBackend(name="fused rope+store", fuse_rope_store=True))
+    seq_a, seq_b = _random_tokens(24, seed=5), _random_tokens(21, seed=6)
+    steps = [{0: seq_a[:17], 1: seq_b[:5]}, {0: seq_a[17:18], 1: seq_b[5:18]}]
+    steps += [{0: [seq_a[18 + i]], 1: [seq_b[18 + i]]} for i in range(3)]
+    got_a, got_b = [], []
+    for step in steps:
+        logits = driver.step(step)
+        got_a.append(logits[:len(step[0])])
+        got_b.append(logits[len(step[0]):])
+    torch.testing.assert_close(torch.cat(got_a), _hf_logits(model_dir, seq_a[:21]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b), _hf_logits(model_dir, seq_b), atol=ATOL, rtol=0)
+
+
 def test_tied_embeddings_share_one_tensor(tmp_path: Path) -> None:
     tied = load_model(make_tiny_model(tmp_path / "t", "llama_tied"), torch.float32, torch.device("cpu"))
     untied = load_model(make_tiny_model(tmp_path / "u", "llama"), torch.float32, torch.device("cpu"))

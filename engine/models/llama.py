@@ -91,8 +91,7 @@ class LlamaAttention(nn.Module):
             num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotary=self.rotary_emb, positions=positions))
 
 
 class LlamaDecoderLayer(nn.Module):
