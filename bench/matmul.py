@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.kernels import copy_bandwidth  # noqa: E402
 from engine.tune import DEFAULT_MS, GraphTimer, tune_shapes  # noqa: E402
 from kernels.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
-from kernels.matmul_dispatch import AdaptiveMatmul, MatmulTable, default_table_path, load_table  # noqa: E402
+from kernels.matmul_dispatch import AdaptiveMatmul, MatmulTable, find_table_path, load_table  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -40,7 +40,7 @@ GOAL_ADAPTIVE_SLOWDOWN = 1.03  # adaptive / cuBLAS at every M <= 256
 
 
 def get_table(path: str | None, quick: bool) -> tuple[MatmulTable, str]:
-    table_path = Path(path) if path else default_table_path(torch.cuda.get_device_name())
+    table_path = Path(path) if path else find_table_path(torch.cuda.get_device_name())
     table = load_table(table_path)
     if table is not None:
         return table, str(table_path)

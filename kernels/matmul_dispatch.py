@@ -1,7 +1,8 @@
 """Adaptive matmul (FlashDecoding++ idea iii): per (M, N, K), GEMV, flat GEMM or cuBLAS.
 
 The choice comes from a crossover table measured on this GPU by `fdserve tune` and stored as JSON
-(one file per GPU name). Between two measured M the kernel is used only when both neighbours chose
+(one file per GPU name); without one, a table measured on the same GPU model and shipped in this
+package (`kernels/matmul_table-<gpu>.json`, Llama-3.1-8B shapes) is used. Between two measured M the kernel is used only when both neighbours chose
 a kernel (and with the larger neighbour's config); anything unmeasured, M > MAX_DECODE_M, another
 GPU's or dtype's table, or no table at all means cuBLAS (`F.linear`), and `describe()` says which,
 so the startup log always shows what runs. Under CUDA graphs the lookup happens at capture time.
@@ -84,6 +85,18 @@ def default_table_path(gpu_name: str) -> Path:
     return root / f"matmul_table-{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu_name)}.json"
 
 
+def shipped_table_path(gpu_name: str) -> Path:
+    """The table measured for this GPU model that ships with fdserve (it may not exist)."""
+    return Path(__file__).resolve().parent / default_table_path(gpu_name).name
+
+
+def find_table_path(gpu_name: str) -> Path:
+    """This machine's own table (`fdserve tune`) if it has one, else the shipped one for this GPU
+    model if there is one, else the path `fdserve tune` would write (absent: cuBLAS everywhere)."""
+    own, shipped = default_table_path(gpu_name), shipped_table_path(gpu_name)
+    return shipped if not own.is_file() and shipped.is_file() else own
+
+
 def load_table(path: Path) -> MatmulTable | None:
     """The table at `path`, None when there is none; a damaged file is an error naming the fix."""
     if not path.is_file():
@@ -110,7 +123,7 @@ class AdaptiveMatmul:
     @classmethod
     def from_file(cls, gpu: str, dtype: torch.dtype, *, double_buffer: bool,
                   path: str | Path | None = None) -> AdaptiveMatmul:
-        table_path = Path(path) if path else default_table_path(gpu)
+        table_path = Path(path) if path else find_table_path(gpu)
         return cls(load_table(table_path), gpu=gpu, dtype=dtype, double_buffer=double_buffer,
                    source=str(table_path))
 
@@ -160,15 +173,17 @@ class AdaptiveMatmul:
         if self.table is None:
             return (f"adaptive matmul: {self.problem} for {self.gpu}: cuBLAS (F.linear) for every linear "
                     f"layer; run `fdserve tune` on this GPU to measure the GEMV/flat-GEMM crossovers")
-        head = (f"adaptive matmul: table {self.source} ({self.table.gpu}, {self.table.dtype}, "
-                f"double_buffer {'on' if self.double_buffer else 'off'}")
+        shipped = Path(self.source) == shipped_table_path(self.gpu)
+        head = (f"adaptive matmul: {'the table shipped for this GPU, ' if shipped else 'table '}{self.source} "
+                f"({self.table.gpu}, {self.table.dtype}, double_buffer {'on' if self.double_buffer else 'off'}")
         if self.double_buffer != self.table.double_buffer:
             head += f"; NOTE tuned with double_buffer {'on' if self.table.double_buffer else 'off'}, " \
                     "crossovers may differ"
         if shapes is None:
             shapes = {self.table.names.get(key) or f"{key[0]}x{key[1]}": key for key in self.table.choices}
         parts = [f"{name} {k}->{n}: {self.ranges(n, k)}" for name, (k, n) in shapes.items()]
-        return head + "); " + "; ".join(parts)
+        tail = "; `fdserve tune` measures this machine's own" if shipped else ""
+        return head + "); " + "; ".join(parts) + tail
 
     def ranges(self, n: int, k: int) -> str:
         """E.g. "gemv M<=2, flat M<=16, cublas M>16"; M > MAX_DECODE_M is always cuBLAS."""

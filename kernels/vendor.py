@@ -46,16 +46,17 @@ def interpreting() -> bool:
 class DecodeConfig:
     """Launch shape of the paged decode kernels (standard, flash and fdpp share it)."""
 
-    # Defaults from the H200 sweep in bench/RESULTS.md: 128-token tiles with Triton's pipeliner
-    # beat 32/64-token tiles and the manual register prefetch at every batch size.
+    # Defaults from the H200 sweeps in bench/RESULTS.md: 128-token tiles with Triton's pipeliner
+    # beat 32/64-token tiles and the manual register prefetch at every batch size; one-tile splits
+    # (min_chunk 128, up to 128 of them) cut B=1 latency at 1K-4K and cost nothing at long L.
     block_n: int = 128         # KV tokens per tile
     num_warps: int = 4
     num_stages: int = 3        # Triton software-pipeline depth of the KV loop
     prefetch: bool = False     # load tile i+1 (and page ids of i+2) in registers during tile i
     page_window: int = 0       # >0: page ids of this many pages held in registers per window
     ctas_per_sm: int = 0       # CTAs per SM the split heuristic fills; 0 = the compiled kernel's occupancy
-    min_chunk: int = 256       # fewest KV tokens a split is given (bounds partial traffic)
-    max_splits: int = 64       # cap on splits per sequence
+    min_chunk: int = 128       # fewest KV tokens a split is given (bounds partial traffic)
+    max_splits: int = 128      # cap on splits per sequence (kernels.flash_decoding.MAX_SPLITS at most)
     merge_warps: int = 4
     extra: dict[str, int] = field(default_factory=dict)   # vendor-only launch options
 

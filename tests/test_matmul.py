@@ -204,6 +204,26 @@ def test_table_file_round_trip_and_errors(tmp_path, monkeypatch):
         Choice("flat")
 
 
+def test_the_shipped_h200_table_is_used_until_this_machine_tunes_its_own(tmp_path, monkeypatch):
+    """No table of its own: an H200 reads the table shipped in the package (and says so); another GPU
+    gets none; once `fdserve tune` has written one, that one wins."""
+    from kernels.matmul_dispatch import find_table_path, shipped_table_path
+
+    monkeypatch.setenv("FDSERVE_CACHE_DIR", str(tmp_path))
+    shipped = shipped_table_path("NVIDIA H200")
+    assert shipped.is_file() and find_table_path("NVIDIA H200") == shipped
+    mm = AdaptiveMatmul.from_file("NVIDIA H200", torch.bfloat16, double_buffer=True)
+    assert mm.problem is None and mm.table.gpu == "NVIDIA H200"
+    o_proj = (4096, 4096)
+    assert {m: c.impl for m, c in mm.table.choices[o_proj].items()}[1] == "gemv"
+    assert mm.choose(1, 4096, 4096).impl == "gemv" and mm.choose(64, 4096, 4096) == CUBLAS
+    assert "the table shipped for this GPU" in mm.describe({"o_proj": o_proj})
+    assert find_table_path("NVIDIA A100-SXM4-80GB") == default_table_path("NVIDIA A100-SXM4-80GB")
+    own = default_table_path("NVIDIA H200")
+    own.write_text(json.dumps(make_table().to_json()))
+    assert find_table_path("NVIDIA H200") == own
+
+
 # ----- linear layers -------------------------------------------------------------------------
 
 def fd(enable=True, adaptive=True, double_buffer=True) -> FlashDecodingConfig:
