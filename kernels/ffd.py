@@ -1,29 +1,44 @@
-"""Faster Flash Decoding in Triton: quantize-on-write and the fused decode (scan, select, refine,
-accumulate, exact tail) with a split-KV log-sum-exp merge. The rule and the key format are those
-of `kernels/ffd_reference.py` (its docstring is the specification); this file only makes it fast.
+"""Faster Flash Decoding in Triton: quantize-on-write and the decode (threshold, 2-bit scan,
+refine + accumulate over the kept blocks, exact tail) with a split-KV log-sum-exp merge. The rule
+and the key format are those of `kernels/ffd_reference.py` (its docstring is the specification);
+this file only makes it fast.
 
-Decode, three launches, all with static grids and device-side lengths (graph-safe):
+Decode, four launches, all with grids fixed by the batch and the tensor shapes and the lengths read
+on the device (graph-safe, no host sync, no data-sized allocation, deterministic):
   1. `_pseudo_max_kernel` (sequence, KV head, part): each part is one sink block, one window block
      or the exact tail; it writes its row max over the sink / local-window tokens (refined keys in
      full blocks, exact keys in the tail). The threshold is th = max over parts - δ (log2 units).
-  2. `_ffd_split_kernel` (sequence, KV head, split): the G query heads of a KV head are the rows of
-     one tile (padded to 16 for `tl.dot`), so every byte is read once per step. Each split walks
-     a contiguous range of full blocks: 2-bit scan as four [rows x D/4] x [D/4 x BS] dots, one per
-     code plane (`(byte >> 2j) & 3` is channel range j, so no shuffles); a block is kept when any
-     row's block max reaches its threshold, or it overlaps the sinks or the window; only kept
-     blocks read their FP8 residual and V (online softmax in base 2). Split 0 also attends the
-     exact tail (tokens past the last full block).
-  3. `_merge_kernel` (sequence, query head): log-sum-exp merge of the used splits.
-Ranges: blocks per split = max(ceil(full blocks / splits), MIN_PER_SPLIT) and the merge uses the
-same formula, so no block is skipped or counted twice at any length (the official code's I5).
-"auto": a sequence shorter than `min_ffd_len` runs the same grid over its exact keys (dense
-split-KV, i.e. Flash-Decoding), per sequence, so mixed batches need no host decision.
+  2. `_scan_kernel` (sequence, KV head, program): a pure stream over the 2-bit codes (36 B per token
+     and head at D = 128). Each step takes BPP full blocks at once (page ids as one vector, then
+     all their codes and scales, then batched 3-D dots) and nothing in the loop branches on data,
+     so Triton pipelines it. The G query heads of a KV head are the rows of one tile (padded to
+     16 for `tl.dot`); a block's scores are four [rows x D/4] x [D/4 x BS] dots, one per code
+     plane (`(byte >> 2j) & 3` is channel range j, no shuffles). A block is kept when any row's
+     block max reaches its threshold, or it overlaps the sinks or the window; the scan stores the
+     kept block's page id (-1 if dropped), so the next pass reads no block table.
+  3. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
+     takes those of ranks [split * per, (split + 1) * per) (ranks by a prefix sum, so the work is
+     balanced whatever the sparsity pattern), gathers their page ids into its slot row once, then
+     loops over them with no data-dependent branch: refined scores, V, online softmax in base 2,
+     all loads of a block issued before its math. The last split, the one most often idle, also
+     attends the exact tail (the tokens past the last full block).
+  4. `_merge_kernel` (sequence, query head, channel chunk): log-sum-exp merge of all splits; an
+     empty split wrote m = -inf and weighs 0.
+Scan and attend are separate passes because a fused loop branches on every block's decision and
+chains several memory round trips per block, which neither pipelining nor the few resident
+programs can hide. "auto": a sequence shorter than `min_ffd_len` is skipped by the scan and the
+attend grid runs dense split-KV over its exact keys (Flash-Decoding), per sequence, so mixed
+batches need no host decision.
 
-Precision: the 2-bit scan dots q*scale rounded to bf16 (selection only). A kept block's score is
-q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate), plus q.residual in q's
-dtype, the residual (e4m3 * scale / R) rounded to it: in bf16 a relative error of 2^-9 on a term
-whose own e4m3 rounding is up to 2^-4, so the refined logits are as accurate as the stored keys
-allow. P.V runs in V's dtype, fp32 accumulate.
+Arithmetic: the conversion unit (16 results per clock and SM) is the scarce resource of both
+passes, so the GPU builds bf16 operands from bits with a few integer instructions (`plane_asm`,
+`residual_asm`): the code planes as their exact levels code - 1.5, the e4m3 residual as exact
+bf16 times a power of two that the q side compensates.
+Precision: the 2-bit scan dots q*scale rounded to bf16 with the exact levels (selection only). A
+kept block's score is q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate),
+plus q.residual with q*scale/R rounded to bf16: a relative error of 2^-9 on a term whose own e4m3
+rounding is up to 2^-4, so the refined logits are as accurate as the stored keys allow. P.V runs in
+V's dtype, fp32 accumulate. Under the interpreter (UPCAST) all of it is fp32 arithmetic.
 """
 from __future__ import annotations
 
@@ -38,6 +53,46 @@ from kernels.vendor import interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
 INV_RES_SCALE: tl.constexpr = tl.constexpr(1.0 / RESIDUAL_SCALE)   # residual units -> channel scales
+LEVELS_LO = 0xC00000C0    # low bytes of bf16(code - 1.5) for code 0..3: -1.5, -0.5, 0.5, 1.5
+LEVELS_HI = 0x3F3FBFBF    # their high bytes
+
+
+def plane_asm(j: int) -> str:
+    """PTX: four packed code bytes ($2) -> code plane j as two bf16x2 ($0, $1) of the levels code - 1.5.
+
+    `prmt` is a byte table lookup when its selector comes from the data: t = the four 2-bit codes
+    (one per byte), u = t * 0x11 + 0x40404040 puts code c in selector nibbles (c, 4 + c), which
+    pick the low byte of level c from LEVELS_LO and the high byte from LEVELS_HI: about 1.7 integer
+    instructions per code instead of an int -> float conversion per code, which would bound the
+    scan at 16 codes per clock and SM. The levels are exact, so the dot needs no zero-point term.
+    """
+    codes = "and.b32 t, $2, 0x03030303; " if j == 0 else f"shr.b32 t, $2, {2 * j}; and.b32 t, t, 0x03030303; "
+    return ("{ .reg .b32 t, u, lut; " + f"mov.b32 lut, {LEVELS_LO:#x}; " + codes
+            + "mad.lo.u32 u, t, 0x11, 0x40404040; "
+            + f"prmt.b32 $0, lut, {LEVELS_HI:#x}, u; shr.b32 u, u, 16; prmt.b32 $1, lut, {LEVELS_HI:#x}, u; }}")
+
+
+def residual_asm() -> str:
+    """PTX: four packed e4m3 bytes ($2) -> two bf16x2 ($0, $1) of value * 2^-RES_BITS_EXP, exact.
+
+    Each byte, sign-extended to 16 bits (prmt), shifted left by 4 and masked to bit 15 and bits 4-10
+    is the bf16 with the e4m3 exponent and mantissa bits in place: the same number scaled by
+    2^(7 - 127), for normals, subnormals and signed zeros alike. Three integer instructions per two
+    values instead of e4m3 -> f16 -> f32 -> bf16 conversions."""
+    return ("{ .reg .b32 t; prmt.b32 t, $2, 0, 0x9180; shl.b32 t, t, 4; and.b32 $0, t, 0x87f087f0; "
+            "prmt.b32 t, $2, 0, 0xb3a2; shl.b32 t, t, 4; and.b32 $1, t, 0x87f087f0; }")
+
+
+RES_ASM: tl.constexpr = tl.constexpr(residual_asm())
+RES_BITS_EXP = 120                 # the bf16 above is the residual * 2^-RES_BITS_EXP
+RES_Q_EXP = 56                     # q * s / R is scaled by 2^RES_Q_EXP before its bf16 rounding
+RES_Q_SCALE: tl.constexpr = tl.constexpr(2.0 ** RES_Q_EXP / RESIDUAL_SCALE)
+RES_UNSCALE: tl.constexpr = tl.constexpr(2.0 ** (RES_BITS_EXP - RES_Q_EXP))   # exact, back to key units
+
+PLANE_ASM_0: tl.constexpr = tl.constexpr(plane_asm(0))
+PLANE_ASM_1: tl.constexpr = tl.constexpr(plane_asm(1))
+PLANE_ASM_2: tl.constexpr = tl.constexpr(plane_asm(2))
+PLANE_ASM_3: tl.constexpr = tl.constexpr(plane_asm(3))
 
 
 # ----- quantize on write ---------------------------------------------------------------------
@@ -103,7 +158,7 @@ def quantize_on_write(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.
         num_warps=4)
 
 
-# ----- decode ----------------------------------------------------------------------------------
+# ----- decode: shared pieces ---------------------------------------------------------------------
 
 @triton.jit
 def _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, j: tl.constexpr, D4: tl.constexpr):
@@ -112,16 +167,109 @@ def _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, j: tl.constexpr, D4
 
 
 @triton.jit
-def _plane_dot(acc, qs, plane, UPCAST: tl.constexpr):
-    if UPCAST:
-        return acc + tl.dot(qs, tl.trans(plane), input_precision="ieee")
-    return acc + tl.dot(qs.to(tl.bfloat16), tl.trans(plane))
+def _load_scales(SCALES, qbase, D: tl.constexpr, D4: tl.constexpr):
+    """The four channel-range scales [D/4] of one quantized page (qbase = page * Hkv + hk)."""
+    cols = tl.arange(0, D4)
+    s0 = tl.load(SCALES + qbase * D + 0 * D4 + cols)
+    s1 = tl.load(SCALES + qbase * D + 1 * D4 + cols)
+    s2 = tl.load(SCALES + qbase * D + 2 * D4 + cols)
+    s3 = tl.load(SCALES + qbase * D + 3 * D4 + cols)
+    return s0, s1, s2, s3
 
 
 @triton.jit
-def _res_plane(RES_PLANE, s):
-    """Residual plane [BS, D4] in key units (fp32): stored e4m3 * s / R."""
-    return tl.load(RES_PLANE).to(tl.float32) * (s * INV_RES_SCALE)[None, :]
+def _load_codes(CODES, qbase, BS: tl.constexpr, D4: tl.constexpr):
+    toks = tl.arange(0, BS)
+    return tl.load(CODES + (qbase * BS + toks[:, None]) * D4 + tl.arange(0, D4)[None, :])
+
+
+@triton.jit
+def _load_residual(RES, qbase, BS: tl.constexpr, D: tl.constexpr, D4: tl.constexpr):
+    """The stored e4m3 residual of one page as four channel-range planes [BS, D/4]."""
+    rptr = RES + (qbase * BS + tl.arange(0, BS)[:, None]) * D + tl.arange(0, D4)[None, :]
+    return tl.load(rptr + 0 * D4), tl.load(rptr + 1 * D4), tl.load(rptr + 2 * D4), tl.load(rptr + 3 * D4)
+
+
+@triton.jit
+def _plane_bits(byte, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[byte], dtype=tl.bfloat16, is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _code_plane(byte, j: tl.constexpr, UPCAST: tl.constexpr):
+    """Code plane j of a uint8 code tile as its levels (code - 1.5), exact.
+
+    GPU: bf16 built from the bits (`plane_asm`); interpreter: fp32 arithmetic, same values."""
+    if UPCAST:
+        return ((byte.to(tl.int32) >> (2 * j)) & 3).to(tl.float32) - 1.5
+    if j == 0:
+        return _plane_bits(byte, PLANE_ASM_0)
+    if j == 1:
+        return _plane_bits(byte, PLANE_ASM_1)
+    if j == 2:
+        return _plane_bits(byte, PLANE_ASM_2)
+    return _plane_bits(byte, PLANE_ASM_3)
+
+
+@triton.jit
+def _plane_term(raw, qs, plane_t, REFINE: tl.constexpr, UPCAST: tl.constexpr):
+    """raw + qs . plane_t (2-D, or batched 3-D). GPU: qs rounded to bf16; with REFINE its rounding
+    error is a second bf16 term (hi + lo), so the product is ~fp32-exact."""
+    if UPCAST:
+        return tl.dot(qs, plane_t, raw, input_precision="ieee")
+    hi = qs.to(tl.bfloat16)
+    raw = tl.dot(hi, plane_t, raw)
+    if REFINE:
+        raw = tl.dot((qs - hi.to(tl.float32)).to(tl.bfloat16), plane_t, raw)
+    return raw
+
+
+@triton.jit
+def _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H: tl.constexpr, BS: tl.constexpr,
+               REFINE: tl.constexpr, UPCAST: tl.constexpr):
+    """q.(code - 1.5) s, the 2-bit scores [BLOCK_H, BS] of one block: per plane j, (q_j * s_j) dotted
+    with the plane's levels."""
+    raw = tl.zeros([BLOCK_H, BS], tl.float32)
+    raw = _plane_term(raw, q0.to(tl.float32) * s0[None, :], tl.trans(_code_plane(byte, 0, UPCAST)), REFINE, UPCAST)
+    raw = _plane_term(raw, q1.to(tl.float32) * s1[None, :], tl.trans(_code_plane(byte, 1, UPCAST)), REFINE, UPCAST)
+    raw = _plane_term(raw, q2.to(tl.float32) * s2[None, :], tl.trans(_code_plane(byte, 2, UPCAST)), REFINE, UPCAST)
+    raw = _plane_term(raw, q3.to(tl.float32) * s3[None, :], tl.trans(_code_plane(byte, 3, UPCAST)), REFINE, UPCAST)
+    return raw
+
+
+@triton.jit
+def _res_plane(r, s):
+    """Stored residual plane [BS, D4] (e4m3) in key units (fp32): r * s / R."""
+    return r.to(tl.float32) * (s * INV_RES_SCALE)[None, :]
+
+
+@triton.jit
+def _res_bits(r):
+    """Stored residual plane (e4m3) as bf16 of r * 2^-RES_BITS_EXP, from the bits (`RES_ASM`)."""
+    return tl.inline_asm_elementwise(asm=RES_ASM, constraints="=r,=r,r", args=[r.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST: tl.constexpr):
+    """raw + q.residual (the residual = e4m3 * s / R).
+
+    GPU: the e4m3 bytes become bf16 without a conversion unit (`_res_bits`) and s / R goes to the q
+    side, with powers of two that keep both operands and the products in range (q*s up to 2^72):
+    the one rounding is q*s to bf16, 2^-9 relative, the same as rounding the scaled residual.
+    Interpreter: the residual in fp32, dotted with q."""
+    if UPCAST:
+        raw += tl.dot(q0, tl.trans(_res_plane(r0, s0)), input_precision="ieee")
+        raw += tl.dot(q1, tl.trans(_res_plane(r1, s1)), input_precision="ieee")
+        raw += tl.dot(q2, tl.trans(_res_plane(r2, s2)), input_precision="ieee")
+        raw += tl.dot(q3, tl.trans(_res_plane(r3, s3)), input_precision="ieee")
+        return raw
+    res = tl.dot((q0.to(tl.float32) * (s0 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r0)))
+    res = tl.dot((q1.to(tl.float32) * (s1 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r1)), res)
+    res = tl.dot((q2.to(tl.float32) * (s2 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r2)), res)
+    res = tl.dot((q3.to(tl.float32) * (s3 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r3)), res)
+    return raw + res * RES_UNSCALE
 
 
 @triton.jit
@@ -130,43 +278,26 @@ def _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk,
                   D4: tl.constexpr, REFINE: tl.constexpr, UPCAST: tl.constexpr):
     """Raw scores q.k [BLOCK_H, BS] of one full block: 2-bit keys, or refined keys if REFINE."""
     qbase = page.to(tl.int64) * NUM_KV_HEADS + hk
-    cols = tl.arange(0, D4)
-    toks = tl.arange(0, BS)
-    s0 = tl.load(SCALES + qbase * D + 0 * D4 + cols)
-    s1 = tl.load(SCALES + qbase * D + 1 * D4 + cols)
-    s2 = tl.load(SCALES + qbase * D + 2 * D4 + cols)
-    s3 = tl.load(SCALES + qbase * D + 3 * D4 + cols)
-    qs0 = q0.to(tl.float32) * s0[None, :]
-    qs1 = q1.to(tl.float32) * s1[None, :]
-    qs2 = q2.to(tl.float32) * s2[None, :]
-    qs3 = q3.to(tl.float32) * s3[None, :]
-    zero = 1.5 * (tl.sum(qs0, 1) + tl.sum(qs1, 1) + tl.sum(qs2, 1) + tl.sum(qs3, 1))
-    byte = tl.load(CODES + (qbase * BS + toks[:, None]) * D4 + cols[None, :]).to(tl.int32)
-    if UPCAST:
-        ctype = tl.float32
-    else:
-        ctype = tl.bfloat16
-    p0 = (byte & 3).to(ctype)
-    p1 = ((byte >> 2) & 3).to(ctype)
-    p2 = ((byte >> 4) & 3).to(ctype)
-    p3 = ((byte >> 6) & 3).to(ctype)
-    raw = tl.zeros([BLOCK_H, BS], tl.float32)
-    raw = _plane_dot(raw, qs0, p0, UPCAST)
-    raw = _plane_dot(raw, qs1, p1, UPCAST)
-    raw = _plane_dot(raw, qs2, p2, UPCAST)
-    raw = _plane_dot(raw, qs3, p3, UPCAST)
+    s0, s1, s2, s3 = _load_scales(SCALES, qbase, D, D4)
+    byte = _load_codes(CODES, qbase, BS, D4)
     if REFINE:
-        if not UPCAST:   # the bf16 rounding error of q*scale, as a second bf16 term
-            raw = _plane_dot(raw, qs0 - qs0.to(tl.bfloat16).to(tl.float32), p0, UPCAST)
-            raw = _plane_dot(raw, qs1 - qs1.to(tl.bfloat16).to(tl.float32), p1, UPCAST)
-            raw = _plane_dot(raw, qs2 - qs2.to(tl.bfloat16).to(tl.float32), p2, UPCAST)
-            raw = _plane_dot(raw, qs3 - qs3.to(tl.bfloat16).to(tl.float32), p3, UPCAST)
-        rptr = RES + (qbase * BS + toks[:, None]) * D + cols[None, :]
-        raw += tl.dot(q0, tl.trans(_res_plane(rptr + 0 * D4, s0).to(q0.dtype)))
-        raw += tl.dot(q1, tl.trans(_res_plane(rptr + 1 * D4, s1).to(q1.dtype)))
-        raw += tl.dot(q2, tl.trans(_res_plane(rptr + 2 * D4, s2).to(q2.dtype)))
-        raw += tl.dot(q3, tl.trans(_res_plane(rptr + 3 * D4, s3).to(q3.dtype)))
-    return raw - zero[:, None]
+        r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
+    raw = _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H, BS, REFINE, UPCAST)
+    if REFINE:
+        raw = _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
+    return raw
+
+
+@triton.jit
+def _page_tile(X, page, hk, stride_kb, stride_kt, stride_kh, valid, BS: tl.constexpr, D: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """The [BS, D] K or V tile of KV head hk in `page`; rows outside `valid` read as 0."""
+    toks = tl.arange(0, BS)
+    x = tl.load(X + page * stride_kb + toks[:, None].to(tl.int64) * stride_kt + hk * stride_kh
+                + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -174,27 +305,10 @@ def _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh,
                 BS: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
     """Raw exact scores [BLOCK_H, BS] of page `blk` of the sequence, its V tile, token validity."""
     page = tl.load(bt_row + blk, mask=blk * BS < L, other=0).to(tl.int64)   # the tail may be empty
-    toks = tl.arange(0, BS)
-    valid = blk * BS + toks < L
-    ptr = page * stride_kb + toks[:, None].to(tl.int64) * stride_kt + hk * stride_kh + tl.arange(0, D)[None, :]
-    k = tl.load(K + ptr, mask=valid[:, None], other=0.0)
-    v = tl.load(V + ptr, mask=valid[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    valid = blk * BS + tl.arange(0, BS) < L
+    k = _page_tile(K, page, hk, stride_kb, stride_kt, stride_kh, valid, BS, D, UPCAST)
+    v = _page_tile(V, page, hk, stride_kb, stride_kt, stride_kh, valid, BS, D, UPCAST)
     return tl.dot(q, tl.trans(k)), v, valid
-
-
-@triton.jit
-def _v_tile(V, bt_row, blk, hk, stride_kb, stride_kt, stride_kh, BS: tl.constexpr, D: tl.constexpr,
-            UPCAST: tl.constexpr):
-    page = tl.load(bt_row + blk).to(tl.int64)
-    toks = tl.arange(0, BS)
-    v = tl.load(V + page * stride_kb + toks[:, None].to(tl.int64) * stride_kt + hk * stride_kh
-                + tl.arange(0, D)[None, :])
-    if UPCAST:
-        v = v.to(tl.float32)
-    return v
 
 
 @triton.jit
@@ -212,22 +326,41 @@ def _in_window(tok, L, sink, window):
 
 
 @triton.jit
-def _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                 D4: tl.constexpr, UPCAST: tl.constexpr):
-    """q rows [BLOCK_H, D] of KV head hk and its four channel planes [BLOCK_H, D/4]."""
+def _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   D4: tl.constexpr, UPCAST: tl.constexpr):
+    """The four channel planes [BLOCK_H, D/4] of the q rows of KV head hk (rows >= GROUP are 0)."""
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < GROUP
     heads = hk * GROUP + rows
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=row_ok[:, None], other=0.0)
     q0 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 0, D4)
     q1 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 1, D4)
     q2 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 2, D4)
     q3 = _load_q_plane(Q, b, heads, row_ok, stride_qb, stride_qh, 3, D4)
     if UPCAST:
-        q, q0, q1, q2, q3 = q.to(tl.float32), q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+        q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                 D4: tl.constexpr, UPCAST: tl.constexpr):
+    """q rows [BLOCK_H, D] of KV head hk and its four channel planes [BLOCK_H, D/4]."""
+    rows = tl.arange(0, BLOCK_H)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + (hk * GROUP + rows)[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q0, q1, q2, q3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D4, UPCAST)
     return q, q0, q1, q2, q3
 
+
+@triton.jit
+def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
+    """Full (quantized) blocks the FFD rule uses; 0 for an "auto" row below the crossover (dense)."""
+    return tl.where(L < min_ffd_len, 0, L // BS)
+
+
+# ----- decode 1: threshold -----------------------------------------------------------------------
 
 @triton.jit
 def _pseudo_max_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM,
@@ -267,118 +400,259 @@ def _pseudo_max_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM,
     tl.store(PM + ((b.to(tl.int64) * NUM_HEADS + heads) * NUM_PARTS + part), best, mask=rows < GROUP)
 
 
+# ----- decode 2: 2-bit scan -> keep flags ----------------------------------------------------
+
 @triton.jit
-def _ffd_split_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM, P_ACC, P_ML, STATS, MASK,
-                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_mask,
-                      scale_log2, delta_log2, sink, window, min_ffd_len,
-                      NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, NUM_PARTS: tl.constexpr,
-                      PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
-                      BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr, WRITE_MASK: tl.constexpr):
+def _scan_hits(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+               D4: tl.constexpr, UPCAST: tl.constexpr):
+    """(1 where any row's 2-bit block max reaches its threshold, page ids) of the BPP blocks `blks`.
+
+    The arithmetic of `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots): every
+    load of the step (page ids, then all codes and scales) is issued before any math. The max over
+    tokens is taken before the (monotone) scaling: same result, 1/BS of the work."""
+    pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
+    qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
+    cols = tl.arange(0, D4)
+    sptr = SCALES + qbase[:, None] * D + cols[None, :]                         # [BPP, D4]
+    s0 = tl.load(sptr + 0 * D4, mask=ok[:, None], other=0.0)
+    s1 = tl.load(sptr + 1 * D4, mask=ok[:, None], other=0.0)
+    s2 = tl.load(sptr + 2 * D4, mask=ok[:, None], other=0.0)
+    s3 = tl.load(sptr + 3 * D4, mask=ok[:, None], other=0.0)
+    toks = tl.arange(0, BS)
+    byte = tl.load(CODES + (qbase[:, None, None] * BS + toks[None, :, None]) * D4 + cols[None, None, :],
+                   mask=ok[:, None, None], other=0)                            # [BPP, BS, D4]
+    raw = tl.zeros([BPP, BLOCK_H, BS], tl.float32)                            # q.k over [BPP, rows, tokens]
+    raw = _plane_term(raw, q0.to(tl.float32)[None, :, :] * s0[:, None, :],
+                      tl.permute(_code_plane(byte, 0, UPCAST), (0, 2, 1)), False, UPCAST)
+    raw = _plane_term(raw, q1.to(tl.float32)[None, :, :] * s1[:, None, :],
+                      tl.permute(_code_plane(byte, 1, UPCAST), (0, 2, 1)), False, UPCAST)
+    raw = _plane_term(raw, q2.to(tl.float32)[None, :, :] * s2[:, None, :],
+                      tl.permute(_code_plane(byte, 2, UPCAST), (0, 2, 1)), False, UPCAST)
+    raw = _plane_term(raw, q3.to(tl.float32)[None, :, :] * s3[:, None, :],
+                      tl.permute(_code_plane(byte, 3, UPCAST), (0, 2, 1)), False, UPCAST)
+    bmax = tl.max(raw, 2) * scale_log2                                         # [BPP, BLOCK_H]
+    return tl.max(tl.where(bmax >= th[None, :], 1, 0), 1), pages
+
+
+@triton.jit
+def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
+                 stride_qb, stride_qh, stride_bt, stride_mask, max_blocks,
+                 scale_log2, delta_log2, sink, window, min_ffd_len,
+                 BPP: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                 D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, WRITE_MASK: tl.constexpr):
+    """Keep decision of every full block, stored as its page id or -1 (int32): program p takes the
+    BPP-block steps p, p + P, p + 2P, ... (P programs per sequence and KV head)."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    prog = tl.program_id(2)
+    L = tl.load(SEQ + b)
+    nq = _quantized_len(L, min_ffd_len, BS)
+    steps = tl.cdiv(nq, BPP)
+    if prog < steps:
+        rows = tl.arange(0, BLOCK_H)
+        row_ok = rows < GROUP
+        heads = hk * GROUP + rows
+        q0, q1, q2, q3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D4, UPCAST)
+        parts = tl.arange(0, PARTS_PAD)
+        pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_PARTS + parts[None, :],
+                     mask=row_ok[:, None] & (parts < NUM_PARTS)[None, :], other=float("-inf"))
+        th = tl.where(row_ok, tl.max(pm, 1) - delta_log2, float("inf"))       # padding rows keep nothing
+        sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
+        forced_hi = tl.maximum(L - window, 0)                                  # blocks ending after this: window
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        row = (b.to(tl.int64) * NUM_KV_HEADS + hk)
+        for step in range(prog, steps, tl.num_programs(2)):
+            blks = step * BPP + tl.arange(0, BPP)
+            ok = blks < nq
+            hit, pages = _scan_hits(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP,
+                                    NUM_KV_HEADS, BLOCK_H, BS, D, D4, UPCAST)
+            keep = (hit > 0) | (blks < sink_blocks) | ((blks + 1) * BS > forced_hi)
+            # the page id of a kept block, -1 for a dropped one: the attend pass then needs no table read
+            tl.store(FLAGS + row * max_blocks + blks, tl.where(keep, pages, -1).to(tl.int32), mask=ok)
+            if WRITE_MASK:   # test output: the keep decision of every full block
+                tl.store(MASK + row * stride_mask + blks, keep.to(tl.int8), mask=ok)
+
+
+# ----- decode 3: attend over the kept blocks -------------------------------------------------
+
+@triton.jit
+def _flag_chunk(flag_row, c, nq, CHUNK: tl.constexpr):
+    """Chunk c of a (sequence, KV head)'s flag row: page ids (-1 = dropped or past nq), keep 1/0."""
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    page = tl.load(flag_row + idx, mask=idx < nq, other=-1)
+    return page, (page >= 0).to(tl.int32)
+
+
+@triton.jit
+def _scatter_mine(page, keep, base, lo, n_mine, slot_row):
+    """slot_row[r - lo] = page of the kept block of rank r, for r in [lo, lo + n_mine); ranks are
+    exclusive prefix sums of the keep flags (base: kept blocks before this chunk), so the kept
+    blocks keep their order."""
+    rank = base + tl.cumsum(keep, 0) - keep
+    mine = (keep > 0) & (rank >= lo) & (rank < lo + n_mine)
+    tl.store(slot_row + (rank - lo), page, mask=mine)
+
+
+@triton.jit
+def _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stride_kt, stride_kh,
+                NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                D4: tl.constexpr, UPCAST: tl.constexpr):
+    """Refined raw scores [BLOCK_H, BS] and the V tile of one kept block; all loads go out first."""
+    qbase = page * NUM_KV_HEADS + hk
+    s0, s1, s2, s3 = _load_scales(SCALES, qbase, D, D4)
+    byte = _load_codes(CODES, qbase, BS, D4)
+    r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
+    v = _page_tile(V, page, hk, stride_kb, stride_kt, stride_kh, tl.arange(0, BS) < BS, BS, D, UPCAST)
+    raw = _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H, BS, True, UPCAST)
+    return _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST), v
+
+
+@triton.jit
+def _attend_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS,
+                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, max_blocks,
+                   scale_log2, min_ffd_len,
+                   NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, PER_MAX: tl.constexpr,
+                   FLAG_CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                   D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr):
+    """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
+    per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT) <= PER_MAX (see `attend_slots`), so the
+    splits cover every kept block exactly once. "auto" rows below the crossover: pages
+    [split * per, (split + 1) * per) of the exact keys instead. ONE_CHUNK: the whole flag row fits
+    one FLAG_CHUNK load, read once for both the count and the ranks."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(SEQ + b)
     dense = L < min_ffd_len
-    nq = tl.where(dense, 0, L // BS)
-    units = tl.where(dense, tl.cdiv(L, BS), nq)          # pages this sequence's splits walk
-    per = tl.maximum(tl.cdiv(units, NUM_SPLITS), MIN_PER_SPLIT)
-    lo = split * per
-    hi = tl.minimum(lo + per, units)
+    nq = _quantized_len(L, min_ffd_len, BS)
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < GROUP
     heads = hk * GROUP + rows
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    kept = L * 0
-    has_tail = (L > nq * BS) & (split == 0) & (dense == 0)
-    if (lo < hi) | has_tail:
-        q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
-        bt_row = BT + b.to(tl.int64) * stride_bt
-        if dense:
-            # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
-            for blk in range(lo, hi):
-                raw, v, valid = _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
-                                            UPCAST)
-                m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    row = b.to(tl.int64) * NUM_KV_HEADS + hk
+    # q first: its loads overlap the flag row's instead of following the split's work decision
+    q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
+    if dense:
+        # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
+        pages = tl.cdiv(L, BS)
+        per = tl.maximum(tl.cdiv(pages, NUM_SPLITS), MIN_PER_SPLIT)
+        lo = split * per
+        hi = tl.minimum(lo + per, pages)
+        for blk in range(lo, hi):
+            raw, v, valid = _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+    else:
+        flag_row = FLAGS + row * max_blocks
+        if ONE_CHUNK:
+            page_row, keep_row = _flag_chunk(flag_row, 0, nq, FLAG_CHUNK)
+            kept = tl.sum(keep_row, 0)
         else:
-            parts = tl.arange(0, PARTS_PAD)
-            pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_PARTS + parts[None, :],
-                         mask=row_ok[:, None] & (parts < NUM_PARTS)[None, :], other=float("-inf"))
-            th = tl.where(row_ok, tl.max(pm, 1) - delta_log2, float("inf"))   # padding rows keep nothing
-            sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
-            forced_hi = tl.maximum(L - window, 0)              # blocks ending after this: window
-            for blk in range(lo, hi):
-                page = tl.load(bt_row + blk)
-                z2 = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
-                                   D4, False, UPCAST) * scale_log2
-                hit = tl.max(tl.where(tl.max(z2, 1) >= th, 1, 0), 0)
-                keep = (hit > 0) | (blk < sink_blocks) | ((blk + 1) * BS > forced_hi)
-                if WRITE_MASK:   # test output: the keep decision of every visited block
-                    tl.store(MASK + (b.to(tl.int64) * NUM_KV_HEADS + hk) * stride_mask + blk, keep.to(tl.int8))
-                if keep:
-                    z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D,
-                                      D4, True, UPCAST) * scale_log2
-                    m, l, acc = _online(m, l, acc, z, _v_tile(V, bt_row, blk, hk, stride_kb, stride_kt, stride_kh,
-                                                              BS, D, UPCAST))
-                    kept += 1
-            if has_tail:                                       # the exact tail, once per sequence
-                raw, v, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
-                                            UPCAST)
-                m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+            kept = nq * 0
+            for c in range(tl.cdiv(nq, FLAG_CHUNK)):
+                kept += tl.sum(_flag_chunk(flag_row, c, nq, FLAG_CHUNK)[1], 0)
+        per = tl.maximum(tl.cdiv(kept, NUM_SPLITS), MIN_PER_SPLIT)
+        lo = split * per
+        n_mine = tl.minimum(tl.maximum(kept - lo, 0), per)
+        if n_mine > 0:
+            slot_row = SLOTS + (row * NUM_SPLITS + split) * PER_MAX
+            if ONE_CHUNK:
+                _scatter_mine(page_row, keep_row, 0, lo, n_mine, slot_row)
+            else:
+                base = nq * 0
+                for c in range(tl.cdiv(nq, FLAG_CHUNK)):
+                    page_c, keep_c = _flag_chunk(flag_row, c, nq, FLAG_CHUNK)
+                    _scatter_mine(page_c, keep_c, base, lo, n_mine, slot_row)
+                    base += tl.sum(keep_c, 0)
+            tl.debug_barrier()                          # the slot row was written by other threads
+            slots = tl.arange(0, PER_MAX)
+            my_pages = tl.load(slot_row + slots, mask=slots < n_mine, other=0)
+            for i in range(n_mine):                     # no data-dependent branch inside
+                page = tl.sum(tl.where(slots == i, my_pages, 0), 0).to(tl.int64)
+                raw, v = _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stride_kt,
+                                     stride_kh, NUM_KV_HEADS, BLOCK_H, BS, D, D4, UPCAST)
+                m, l, acc = _online(m, l, acc, raw * scale_log2, v)
+        if (split == NUM_SPLITS - 1) & (L > nq * BS):   # the exact tail, once per sequence
+            raw, v, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+        if COUNT:   # once per (sequence, KV head)
+            tl.atomic_add(STATS, nq.to(tl.int64), mask=split == 0)
+            tl.atomic_add(STATS + 1, kept.to(tl.int64), mask=split == 0)
     part = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-    tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=row_ok[:, None])
     tl.store(P_ML + part * 2, m, mask=row_ok)
     tl.store(P_ML + part * 2 + 1, l, mask=row_ok)
-    if COUNT:
-        if split == 0:
-            tl.atomic_add(STATS, nq.to(tl.int64))
-        tl.atomic_add(STATS + 1, kept.to(tl.int64))
+    # an empty split's acc is never read (the merge masks it by m = -inf): no store
+    tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc,
+             mask=(row_ok & (m > float("-inf")))[:, None])
 
+
+# ----- decode 4: merge -----------------------------------------------------------------------
 
 @triton.jit
-def _merge_kernel(SEQ, OUT, P_ACC, P_ML, stride_ob, stride_oh, min_ffd_len,
-                  NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-                  NUM_HEADS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-    """Log-sum-exp merge of one (sequence, query head)'s used splits, vectorised over splits."""
+def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  D: tl.constexpr, DC: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, query head)'s splits over channels [c * DC, (c + 1) * DC).
+
+    All splits at once (one round trip for m, l, one for acc); empty splits (m = -inf) weigh 0 and
+    their acc is not read. A row with no token at all (L = 0) gets 0."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    L = tl.load(SEQ + b)
-    units = tl.where(L < min_ffd_len, tl.cdiv(L, BS), L // BS)
-    per = tl.maximum(tl.cdiv(units, NUM_SPLITS), MIN_PER_SPLIT)
-    used = tl.maximum(tl.cdiv(units, per), 1)           # split 0 always holds the tail
+    c = tl.program_id(2)
     base = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
-    s = tl.arange(0, NUM_SPLITS)
-    ok = s < used
-    m_s = tl.load(P_ML + (base + s) * 2, mask=ok, other=float("-inf"))
-    l_s = tl.load(P_ML + (base + s) * 2 + 1, mask=ok, other=0.0)
+    s = base + tl.arange(0, NUM_SPLITS)
+    m_s = tl.load(P_ML + s * 2)
+    l_s = tl.load(P_ML + s * 2 + 1)
+    used = m_s > float("-inf")
     m_all = tl.max(m_s, 0)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
+    w = tl.where(used, tl.exp2(m_s - tl.where(m_all > float("-inf"), m_all, 0.0)), 0.0)
     l_all = tl.sum(w * l_s, 0)
-    acc = tl.zeros([D], tl.float32)
-    for c in range(0, tl.cdiv(used, CHUNK)):
-        sc = c * CHUNK + tl.arange(0, CHUNK)
-        okc = sc < used
-        m_c = tl.load(P_ML + (base + sc) * 2, mask=okc, other=float("-inf"))
-        w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp2(m_c - m_all))
-        a_c = tl.load(P_ACC + (base + sc)[:, None] * D + tl.arange(0, D)[None, :], mask=okc[:, None], other=0.0)
-        acc += tl.sum(a_c * w_c[:, None], 0)
-    out = acc / tl.where(l_all > 0, l_all, 1.0)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + tl.arange(0, D), out.to(OUT.dtype.element_ty))
+    cols = c * DC + tl.arange(0, DC)
+    a = tl.load(P_ACC + s[:, None] * D + cols[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(a * w[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + cols, out.to(OUT.dtype.element_ty))
+
+
+# ----- host side ---------------------------------------------------------------------------------
+
+MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
+SCAN_CODE_BYTES = 16384  # 2-bit codes one scan step loads: 4 blocks at BS = D = 128 (~18 KB with scales)
+MAX_SCAN_BLOCKS = 4     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers (~235 at D 128)
+FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
+MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits, channels]
 
 
 def choose_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """About eight programs per SM at this batch size, a power of two <= 128 (B only: graph-safe).
 
-    Many small programs keep enough 2-bit scan loads in flight to reach HBM bandwidth; each
-    sequence uses only the splits its length needs (at least MIN_PER_SPLIT blocks each)."""
+    Both the scan and the attend grid use it. Several waves of programs (about two fit an SM at
+    once) spread one long sequence of a skewed batch over the whole GPU; a scan program loops over
+    its share of the blocks, and a sequence's attend splits get at least MIN_PER_SPLIT kept blocks
+    each, the rest exit at once."""
     target = 8 * num_compute_units(device)
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
 
 
-MIN_PER_SPLIT = 4      # blocks: below this a split's fixed cost (q, threshold, partial) dominates
-MERGE_CHUNK = 16
+def scan_blocks_per_step(block_size: int, head_dim: int) -> int:
+    """BPP: full blocks one scan step reads together, ~SCAN_CODE_BYTES of codes (power of two)."""
+    return max(1, min(MAX_SCAN_BLOCKS, SCAN_CODE_BYTES // (block_size * head_dim // 4)))
+
+
+def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
+    """PER_MAX, the page-id slots of one attend split: a power of two >= max(ceil(max_blocks /
+    splits), min_per).
+
+    Why no kept block is ever dropped: a sequence has kept <= nq <= max_blocks kept blocks, and
+    each split takes per = max(ceil(kept / splits), min_per) of them, so
+      per <= max(ceil(max_blocks / splits), min_per) <= PER_MAX   (every split fits its slots), and
+      splits * per >= kept                                        (the ranges cover all ranks);
+    the ranges [s * per, (s + 1) * per) are disjoint, so each kept block is attended exactly once.
+    """
+    return triton.next_power_of_2(max(1, -(-max_blocks // splits), min_per))
 
 
 def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor,
@@ -411,31 +685,40 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     group = num_heads // kv_heads
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
+    max_blocks = max(1, block_tables.shape[1])
+    per_max = attend_slots(max_blocks, splits, min_per)
+    flag_chunk = min(FLAG_CHUNK, triton.next_power_of_2(max_blocks))
     sink_parts = -(-params.sink_tokens // bs)
     num_parts = sink_parts + (-(-params.local_window // bs) + 1) + 1
-    pm = torch.empty(batch * num_heads * num_parts, dtype=torch.float32, device=q.device)
-    p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=q.device)
-    p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+    dev = q.device
+    pm = torch.empty(batch * num_heads * num_parts, dtype=torch.float32, device=dev)
+    flags = torch.empty(batch * kv_heads * max_blocks, dtype=torch.int32, device=dev)   # page id or -1
+    slots = torch.empty(batch * kv_heads * splits * per_max, dtype=torch.int32, device=dev)
+    p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=dev)
+    p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=dev)
     block_h = max(16, triton.next_power_of_2(group))
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
-    common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=block_h, D=dim, D4=dim // 4,
-                  BS=bs, UPCAST=interpreting())
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               block_tables.stride(0))
+    common = {"NUM_HEADS": num_heads, "NUM_KV_HEADS": kv_heads, "GROUP": group, "BLOCK_H": block_h, "D": dim,
+              "D4": dim // 4, "BS": bs, "UPCAST": interpreting()}
+    q_strides = (q.stride(0), q.stride(1))
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _pseudo_max_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, *strides,
-        scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
+        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, *q_strides, *kv_strides,
+        block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
         SINK_PARTS=sink_parts, NUM_PARTS=num_parts, num_warps=4, **common)
-    _ffd_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, p_acc, p_ml,
-        stats if stats is not None else p_ml, masks if masks is not None else p_ml, *strides,
-        masks.shape[2] if masks is not None else 0,
+    _scan_kernel[(batch, kv_heads, splits)](
+        q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags,
+        *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
-        NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, NUM_PARTS=num_parts,
-        PARTS_PAD=triton.next_power_of_2(num_parts), COUNT=stats is not None, WRITE_MASK=masks is not None,
-        num_warps=4, **common)
-    _merge_kernel[(batch, num_heads)](seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1),
-                                      params.min_ffd_len, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per,
-                                      CHUNK=min(MERGE_CHUNK, splits), NUM_HEADS=num_heads, D=dim, BS=bs,
-                                      num_warps=4)
+        BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
+        WRITE_MASK=masks is not None, num_warps=4, num_stages=3, **common)
+    _attend_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
+        stats if stats is not None else p_ml, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
+        scale * LOG2E, params.min_ffd_len, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max,
+        FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
+        num_warps=4 if dim <= 128 else 8, num_stages=2, **common)
+    dc = min(dim, max(16, MERGE_TILE // splits))
+    _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, out.stride(0), out.stride(1),
+                                                 NUM_SPLITS=splits, NUM_HEADS=num_heads, D=dim, DC=dc, num_warps=4)
     return out
