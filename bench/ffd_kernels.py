@@ -16,8 +16,10 @@ Flash-Decoding kernel and torch SDPA, in one run.
              sparsity the kernel measured is printed beside each time) and (b) real K/V of the
              embedded model (8K tokens of real text, one layer's K/V tiled to L; SmolLM2 shapes).
              Bound = dense bytes * (codes + scales + (1 - s)(residual + V)) / dense bytes / copy BW.
---crossover  FFD vs flash at L in {1K .. 32K}, B in {1, 8}, synthetic f = 0.2: the shortest L from
+--crossover  FFD vs flash at L in {4K .. 128K}, B in {1, 8}, synthetic f = 0.2: the shortest L from
              which FFD is faster at both batch sizes (the `kernel = "auto"` crossover).
+--profile    GPU time per FFD launch (pseudo-max, scan, attend, merge) at 128K, B in {1, 8},
+             synthetic f = 0.1, from the torch profiler: which pass the time goes to.
 Writes DIR/ffd_kernels.json and prints the tables last.
 """
 from __future__ import annotations
@@ -274,7 +276,7 @@ def run_bench(timer, gen, bw, deadline) -> list[dict]:
 
 def run_crossover(timer, gen) -> dict:
     rows = []
-    for length in (1024, 2048, 4096, 8192, 16384, 32768):
+    for length in (4096, 8192, 16384, 32768, 65536, 131072):
         for batch in (1, 8):
             case = Case([length] * batch, 32, 8, 128, gen, f_hot=0.2)
             s = sparsity(case, params())
@@ -286,6 +288,27 @@ def run_crossover(timer, gen) -> dict:
     lengths = sorted({r["L"] for r in rows})
     cross = next((n for i, n in enumerate(lengths) if all(m in wins for m in lengths[i:])), None)
     return {"rows": rows, "crossover_tokens": cross, "gpu": torch.cuda.get_device_name()}
+
+
+def run_profile(gen) -> list[dict]:
+    """Per-launch GPU µs of one FFD decode (mean over 20 calls) at 128K, B = 1 and 8, f = 0.1."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for batch in (1, 8):
+        case = Case([131072] * batch, 32, 8, 128, gen, f_hot=0.1)
+        for _ in range(3):
+            ffd(case, params())
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                ffd(case, params())
+            torch.cuda.synchronize()
+        per = {e.key: e.device_time_total / 20 for e in prof.key_averages() if e.device_time_total > 0}
+        rows.append({"B": batch, "L": 131072, "sparsity": sparsity(case, params()), "us_per_launch": per})
+        print("profile", json.dumps(rows[-1]), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
 
 
 # ----- real K/V dump (CPU) ------------------------------------------------------------------------
@@ -344,6 +367,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--dump-real", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny checks, no timing")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting new bench rows after this")
@@ -367,6 +391,9 @@ def main() -> None:
     try:
         if args.check:
             report["checks"] = run_checks(gen)
+            path.write_text(json.dumps(report, indent=1))
+        if args.profile:
+            report["profile"] = run_profile(gen)
             path.write_text(json.dumps(report, indent=1))
         timer = Timer()
         if args.crossover:
