@@ -35,6 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "flash": {"flashdecoding.enable": True, "flashdecoding.kernel": "flash", "flashdecoding.async_softmax": False},
     "fdpp": {"flashdecoding.enable": True, "flashdecoding.kernel": "flash", "flashdecoding.async_softmax": True},
     "ffd": {"flashdecoding.enable": True, "flashdecoding.kernel": "ffd"},
+    "auto": {"flashdecoding.enable": True, "flashdecoding.kernel": "auto"},
 }
 BASELINE = "standard"
 # Below this many generated tokens the decode phase is too short to time (the seed: >= 512).

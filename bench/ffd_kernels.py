@@ -284,8 +284,8 @@ def run_crossover(timer, gen) -> dict:
                          "ffd_us": timer(lambda case=case: ffd(case, params())),
                          "flash_us": timer(lambda case=case: flash(case))})
             print("crossover", json.dumps(rows[-1]), flush=True)
-    wins = {r["L"] for r in rows if r["ffd_us"] < r["flash_us"]}
     lengths = sorted({r["L"] for r in rows})
+    wins = {n for n in lengths if all(r["ffd_us"] < r["flash_us"] for r in rows if r["L"] == n)}   # every batch size
     cross = next((n for i, n in enumerate(lengths) if all(m in wins for m in lengths[i:])), None)
     return {"rows": rows, "crossover_tokens": cross, "gpu": torch.cuda.get_device_name()}
 

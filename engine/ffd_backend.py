@@ -13,8 +13,9 @@ prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a 
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
 use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
 CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess). Where the
-measurement found FFD never faster (the H200 today), "auto" builds the plain Flash-Decoding
-backend and says so at startup.
+measurement found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at
+startup. Prefill runs the torch rule on the GPU too, which costs long prompts far more time to
+first token than the dense Triton prefill (32K tokens on the H200: 33 s against 1.7 s).
 
 Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
 (KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
@@ -37,10 +38,12 @@ logger = logging.getLogger(__name__)
 
 # GPU name (torch.cuda.get_device_name) -> the context length from which our FFD kernel (δ = 5
 # nats, BS = 128) beats our dense Flash-Decoding kernel at batch 1 and 8, measured by
-# `bench/ffd_kernels.py --crossover`. None = measured, and FFD was never faster in the sweep
-# (1K..32K tokens, synthetic blocks at sparsity 0.6-0.8): "auto" then runs dense everywhere.
+# `bench/ffd_kernels.py --crossover` (synthetic blocks at sparsity 0.76-0.80, 4K..128K tokens).
+# None = measured, and FFD was never faster: "auto" then runs dense everywhere.
 CROSSOVER_TOKENS: dict[str, int | None] = {
-    "NVIDIA H200": None,   # bench/results/ffd_kernels.json, 2026-11-30 (FFD 1.6-3.5x slower up to 32K)
+    # bench/results/ffd_kernels_crossover.json, 2026-11-30: FFD faster at B = 8 from 8K and at B = 1
+    # from 32K (40.2 vs 44.9 us; 16K: 33.1 vs 29.6); at 128K 1.47x (B = 1) and 2.11x (B = 8).
+    "NVIDIA H200": 32768,
 }
 NEVER = 2**31 - 1
 
