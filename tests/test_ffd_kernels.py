@@ -133,23 +133,30 @@ def qp_cpu(qp):
     return QuantizedPages(qp.codes.cpu(), qp.scales.cpu(), qp.residual.cpu())
 
 
+def check_against_reference(case, p, lens, bs, num_splits):
+    """Run the kernel with masks and stats; masks, stats and output against the torch rule (one KV
+    head). Returns the rule's stats."""
+    q, k, v, qp, tables, seq = case
+    masks = torch.full((len(lens), 1, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    out = run(case, p, stats=stats, masks=masks, num_splits=num_splits)
+    ref_masks, ref_stats = [], {}
+    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
+                         stats=ref_stats, masks=ref_masks)
+    diff = check_masks(masks, ref_masks, lens, bs)
+    check_stats(stats, ref_stats, masks, lens, bs)
+    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)   # a flipped block moves the output
+    return ref_stats
+
+
 @pytest.mark.parametrize("num_blocks", [127, 128, 129, 257])
 def test_every_block_is_visited_and_masks_equal_the_reference(num_blocks):
     bs = 64
     lens = [num_blocks * bs + 63, num_blocks * bs, 3 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=1, group=4, dim=64, seed=num_blocks))
     p = params(bs=bs, delta_log2=3.0, sink=4, window=64)
-    q, k, v, qp, tables, seq = case
-    masks = torch.full((3, 1, num_blocks + 1), -1, dtype=torch.int8, device=DEV)
-    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, masks=masks, num_splits=5)
-    ref_masks, ref_stats = [], {}
-    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
-                         stats=ref_stats, masks=ref_masks)
-    diff = check_masks(masks, ref_masks, lens, bs)
-    check_stats(stats, ref_stats, masks, lens, bs)
+    ref_stats = check_against_reference(case, p, lens, bs, num_splits=5)
     assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]   # it really prunes
-    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)   # a flipped block moves the output
 
 
 @pytest.mark.parametrize("group, dim", [(1, 64), (3, 64), (4, 128), (7, 64)])
@@ -285,16 +292,7 @@ def test_flag_rows_longer_than_one_chunk(monkeypatch):
     lens = [129 * bs + 9, 40 * bs, 17 * bs + 1, 16 * bs]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=1, group=4, dim=64, seed=5))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
-    q, k, v, qp, tables, seq = case
-    masks = torch.full((len(lens), 1, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
-    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, masks=masks, num_splits=4)
-    ref_masks, ref_stats = [], {}
-    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
-                         stats=ref_stats, masks=ref_masks)
-    diff = check_masks(masks, ref_masks, lens, bs)
-    check_stats(stats, ref_stats, masks, lens, bs)
-    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
+    check_against_reference(case, p, lens, bs, num_splits=4)
 
 
 # ----- the GPU-only PTX, emulated ---------------------------------------------------------------
