@@ -79,7 +79,7 @@ class Case:
         self.qp = QuantizedPages(torch.zeros(num, hkv, BS, dim // 4, dtype=torch.uint8, device=dev),
                                  torch.zeros(num, hkv, dim, device=dev),
                                  torch.zeros(num, hkv, BS, dim, dtype=torch.float8_e4m3fn, device=dev))
-        from kernels.ffd import quantize_on_write
+        from kernels.ffd_quantize import quantize_on_write
         full = torch.cat([self.tables[b, :n // BS].long() for b, n in enumerate(lens)])
         quantize_on_write(self.k, self.qp.codes, self.qp.scales, self.qp.residual, full * BS + BS - 1)
 

@@ -114,7 +114,7 @@ class FFDAttentionBackend(AttentionBackend):
         pages = self.pages_of(k_cache)
         if self.triton:
             from kernels import store_kv
-            from kernels.ffd import quantize_on_write
+            from kernels.ffd_quantize import quantize_on_write
             store_kv(key, value, k_cache, v_cache, slot_mapping)
             quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping)
         else:

@@ -25,9 +25,9 @@ from kernels.ffd import (
     attend_slots,
     ffd_decode,
     plane_asm,
-    quantize_on_write,
     residual_asm,
 )
+from kernels.ffd_quantize import quantize_on_write
 from kernels.ffd_reference import (
     FP8,
     dense_over_refined_ref,
