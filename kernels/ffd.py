@@ -556,6 +556,8 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 
 # ----- host side ---------------------------------------------------------------------------------
 
+SCAN_PROGRAMS_PER_SM = 2     # scan grid size (choose_splits): H200 sweep in bench/RESULTS.md
+ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
 SCAN_CODE_BYTES = 16384  # 2-bit codes one scan step loads: 4 blocks at BS = D = 128 (~18 KB with scales)
 MAX_SCAN_BLOCKS = 4     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers (~235 at D 128)
@@ -563,14 +565,15 @@ FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one st
 MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits, channels]
 
 
-def choose_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """About eight programs per SM at this batch size, a power of two <= 128 (B only: graph-safe).
+def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 8) -> int:
+    """About `per_sm` programs per SM at this batch size, a power of two <= 128 (B only: graph-safe).
 
-    Both the scan and the attend grid use it. Several waves of programs (about two fit an SM at
-    once) spread one long sequence of a skewed batch over the whole GPU; a scan program loops over
-    its share of the blocks, and a sequence's attend splits get at least MIN_PER_SPLIT kept blocks
-    each, the rest exit at once."""
-    target = 8 * num_compute_units(device)
+    The attend grid uses ATTEND_PROGRAMS_PER_SM: several waves of programs (about two fit an SM at
+    once) spread one long sequence of a skewed batch over the whole GPU, and a sequence's attend
+    splits get at least MIN_PER_SPLIT kept blocks each, the rest exit at once. The scan grid uses
+    SCAN_PROGRAMS_PER_SM: its programs walk their blocks in a grid-stride loop, so any count covers
+    every block."""
+    target = per_sm * num_compute_units(device)
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
 
 
@@ -620,7 +623,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     if batch == 0:
         return out
     group = num_heads // kv_heads
-    splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device)))
+    splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
     max_blocks = max(1, block_tables.shape[1])
     per_max = attend_slots(max_blocks, splits, min_per)
@@ -643,7 +646,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, *q_strides, *kv_strides,
         block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
         SINK_PARTS=sink_parts, NUM_PARTS=num_parts, num_warps=4, **common)
-    _scan_kernel[(batch, kv_heads, splits)](
+    scan_grid = (batch, kv_heads, choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
+    _scan_kernel[scan_grid](
         q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags,
         *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,

@@ -284,6 +284,22 @@ def test_many_lengths_in_one_batch():
     check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
 
 
+def test_scan_grid_size_changes_nothing(monkeypatch):
+    """The scan's programs walk their blocks in a grid-stride loop: 1 or 64 programs per SM give the
+    same bits (output and block masks)."""
+    bs = 64
+    lens = [70 * bs + 5, 9 * bs, 2 * bs + 1]
+    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=9))
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    results = []
+    for per_sm in (1, 64):
+        monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
+        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
+        results.append((run(case, p, masks=masks), masks))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+
+
 def test_flag_rows_longer_than_one_chunk(monkeypatch):
     """Rows of more than FLAG_CHUNK blocks take the chunked count / rank path (prefix sums carried
     across chunks); 16-flag chunks make 129 blocks nine chunks."""
