@@ -559,8 +559,12 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 SCAN_PROGRAMS_PER_SM = 2     # scan grid size (choose_splits): H200 sweep in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
-SCAN_CODE_BYTES = 16384  # 2-bit codes one scan step loads: 4 blocks at BS = D = 128 (~18 KB with scales)
-MAX_SCAN_BLOCKS = 4     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers (~235 at D 128)
+SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is also capped by MAX_SCAN_BLOCKS)
+# Scan step shape, from an H200 sweep (bench/RESULTS.md): 2 blocks per step on 2 warps beat 4 on 4
+# (B = 8, 128K: 188 vs 194 us); wider steps or fewer warps per block run out of registers.
+MAX_SCAN_BLOCKS = 2     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers
+SCAN_WARPS = 2
+SCAN_STAGES = 3
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
 MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits, channels]
 
@@ -652,7 +656,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
         BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
-        WRITE_MASK=masks is not None, num_warps=4, num_stages=3, **common)
+        WRITE_MASK=masks is not None, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     _attend_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
         stats if stats is not None else p_ml, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
