@@ -135,17 +135,15 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         if rotary is not None and positions is None:
             raise ValueError("Attention: rotary needs positions")
-        stored = False
         if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
             q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            stored = True
-        elif rotary is not None:
-            q, k = rotary(positions, q, k)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            ctx.backend.store_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                                 self.k_cache, self.v_cache, meta.slot_mapping)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        if not stored:
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             out = ctx.backend.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                      scale=self.scale, layer_idx=self.layer_idx, counters=meta.counters)

@@ -128,13 +128,15 @@ def candidate_configs(impl: str, m: int, n: int, k: int, num_sms: int, vendor: s
     to 4096 in one load, so every CTA has all its bytes in flight at once) to the 16 x 512 default;
     4 or 8 warps. Its loop carries no dot, so it gets one pipeline depth.
     """
+    import triton
+
     from kernels.matmul import auto_split_k, default_config
 
     base = default_config(impl, m, n, k, num_sms, vendor)
     if impl == "gemv":
         tiles = ((base.block_n, base.block_k),) if quick else tuple(
             (bn, bk) for bn in (1, 2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048, 4096)
-            if 4096 <= bn * bk <= 16384 and bk <= max(256, 1 << (k - 1).bit_length()))
+            if 4096 <= bn * bk <= 16384 and bk <= max(256, triton.next_power_of_2(k)))
         warps = (base.num_warps,) if quick else (4, 8)
         depths: tuple[int, ...] = (base.num_stages,)
     else:

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
+from kernels.flash_decoding import rows_per_tile
 from kernels.vendor import interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
@@ -640,7 +641,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     slots = torch.empty(batch * kv_heads * splits * per_max, dtype=torch.int32, device=dev)
     p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=dev)
     p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=dev)
-    block_h = max(16, triton.next_power_of_2(group))
+    block_h = rows_per_tile(group)
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
     common = {"NUM_HEADS": num_heads, "NUM_KV_HEADS": kv_heads, "GROUP": group, "BLOCK_H": block_h, "D": dim,
               "D4": dim // 4, "BS": bs, "UPCAST": interpreting()}
