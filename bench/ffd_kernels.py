@@ -18,6 +18,11 @@ Flash-Decoding kernel and torch SDPA, in one run.
              Bound = dense bytes * (codes + scales + (1 - s)(residual + V)) / dense bytes / copy BW.
 --crossover  FFD vs flash at L in {4K .. 128K}, B in {1, 8}, synthetic f = 0.2: the shortest L from
              which FFD is faster at both batch sizes (the `kernel = "auto"` crossover).
+--prefill    the FFD prefill kernel (kernels/ffd_prefill.py) on the last 2,048-query chunk of an 8K and
+             a 32K prompt (B = 1, Llama-3.1-8B shapes), synthetic f = 0.1 and unstructured N(0,1)
+             keys (nothing pruned): error vs the torch rule (fp32, on the GPU) and time against our
+             dense Triton prefill on the same pages. --prefill-sweep: its time at 32K per tile
+             and warp count.
 --profile    GPU time per FFD launch (pseudo-max, scan, attend, merge) at 128K, B in {1, 8},
              synthetic f = 0.1, from the torch profiler: which pass the time goes to.
 Writes DIR/ffd_kernels.json and prints the tables last.
@@ -290,6 +295,70 @@ def run_crossover(timer, gen) -> dict:
     return {"rows": rows, "crossover_tokens": cross, "gpu": torch.cuda.get_device_name()}
 
 
+def prefill_runner(case, q, chunk: int):
+    """A call of the FFD prefill on `case`'s pages with the chunk's queries `q` (graph-safe)."""
+    from kernels.ffd_prefill import ffd_prefill
+    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+    return lambda: ffd_prefill(q, case.k, case.v, case.qp.codes, case.qp.scales, case.qp.residual, case.tables,
+                               case.seq, qsl, scale=case.dim ** -0.5, params=params(), max_query_len=chunk)
+
+
+def chunk_queries(case, gen, chunk: int) -> torch.Tensor:
+    """`chunk` queries near the case's decode query (so they find its needles), bf16."""
+    noise = torch.randn(chunk, case.hq, case.dim, device=DEV, generator=gen)
+    return (case.q[0].float()[None] + 0.3 * noise).bfloat16()
+
+
+def run_prefill_sweep(timer, gen, chunk: int = 2048) -> list[dict]:
+    """FFD prefill time at 32K over the tile (`TILE_ROWS`) and warp (`PREFILL_WARPS`) choices."""
+    import kernels.ffd_prefill as fp
+    shipped = fp.TILE_ROWS, fp.PREFILL_WARPS
+    rows = []
+    for f_hot in (0.1, None):
+        case = Case([32768], 32, 8, 128, gen, f_hot=f_hot)
+        run = prefill_runner(case, chunk_queries(case, gen, chunk), chunk)
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                fp.TILE_ROWS, fp.PREFILL_WARPS = tile, warps
+                rows.append({"data": f"synthetic f={f_hot}" if f_hot else "N(0,1) keys", "tile_rows": tile,
+                             "warps": warps, "us": timer(run, reps=10)})
+                print("prefill_sweep", json.dumps(rows[-1]), flush=True)
+        del case, run
+        torch.cuda.empty_cache()
+    fp.TILE_ROWS, fp.PREFILL_WARPS = shipped
+    return rows
+
+
+def run_prefill(timer, gen, chunk: int = 2048) -> list[dict]:
+    from kernels import prefill_attention
+    from kernels.ffd_reference import ffd_prefill_ref
+    rows = []
+    for length in (8192, 32768):
+        for f_hot in (0.1, None):
+            case = Case([length], 32, 8, 128, gen, f_hot=f_hot)
+            q = chunk_queries(case, gen, chunk)
+            qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+            run_ffd = prefill_runner(case, q, chunk)
+            row = {"L": length, "chunk": chunk, "data": f"synthetic f={f_hot}" if f_hot else "N(0,1) keys",
+                   "decode_sparsity": sparsity(case, params())}
+            out = run_ffd()
+            if length <= 8192:
+                ref = ffd_prefill_ref(q.float(), case.k.float(), case.v.float(), case.qp, case.tables, case.seq, qsl,
+                                      scale=case.dim ** -0.5, params=params(), max_scores=1 << 27)
+                row["rel_err_vs_rule"] = rel(out, ref)
+                del ref
+            row["finite"] = bool(torch.isfinite(out).all())
+            row["ffd_us"] = timer(run_ffd, reps=20)
+            row["flash_us"] = timer(lambda case=case, q=q, qsl=qsl: prefill_attention(
+                q, case.k, case.v, case.tables, case.seq, qsl, scale=case.dim ** -0.5, max_query_len=chunk), reps=20)
+            row["ffd_over_flash"] = row["ffd_us"] / row["flash_us"]
+            rows.append(row)
+            print("prefill", json.dumps(row), flush=True)
+            del case, run_ffd
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_profile(gen) -> list[dict]:
     """Per-launch GPU µs of one FFD decode (mean over 20 calls) at 128K, B = 1 and 8, f = 0.1."""
     from torch.profiler import ProfilerActivity, profile
@@ -355,6 +424,13 @@ def print_tables(report) -> None:
             print(f"| {r['data']} | {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['ffd_us']:.1f} | "
                   f"{r['flash_us']:.1f} | {sd} | {r['bound_us']:.1f} | {r['ffd_over_bound']:.2f} | "
                   f"{r['speedup_vs_flash']:.2f}x | {vs} |")
+    if report.get("prefill"):
+        print("\n| data | L | chunk | decode sparsity | rel err vs rule | FFD prefill µs | flash prefill µs | FFD/flash |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in report["prefill"]:
+            err = f"{r['rel_err_vs_rule']:.1e}" if "rel_err_vs_rule" in r else "-"
+            print(f"| {r['data']} | {r['L'] // 1024}K | {r['chunk']} | {r['decode_sparsity']:.3f} | {err} | "
+                  f"{r['ffd_us']:.0f} | {r['flash_us']:.0f} | {r['ffd_over_flash']:.2f} |")
     if report.get("crossover"):
         c = report["crossover"]
         print(f"\ncrossover on {c['gpu']}: {c['crossover_tokens']} tokens")
@@ -368,6 +444,8 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--prefill-sweep", action="store_true")
     ap.add_argument("--dump-real", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny checks, no timing")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting new bench rows after this")
@@ -396,6 +474,12 @@ def main() -> None:
             report["profile"] = run_profile(gen)
             path.write_text(json.dumps(report, indent=1))
         timer = Timer()
+        if args.prefill_sweep:
+            report["prefill_sweep"] = run_prefill_sweep(timer, gen)
+            path.write_text(json.dumps(report, indent=1))
+        if args.prefill:
+            report["prefill"] = run_prefill(timer, gen)
+            path.write_text(json.dumps(report, indent=1))
         if args.crossover:
             report["crossover"] = run_crossover(timer, gen)
             path.write_text(json.dumps(report, indent=1))

@@ -5,17 +5,16 @@ Every attention call of every layer applies the per-query rule of `kernels/ffd_r
 refined keys for kept blocks, exact tail), in decode and in prefill alike, so that chunked
 prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a cold run gives.
 
-  where   decode                          prefill                  store K/V + quantize pages
-  GPU     Triton (kernels/ffd.py)         torch rule (ffd_reference) Triton (store_kv + quantize)
-  CPU     torch rule                      torch rule               torch
+  where   decode                   prefill                          store K/V + quantize pages
+  GPU     Triton (kernels/ffd.py)  Triton (kernels/ffd_prefill.py)  Triton (store_kv + quantize)
+  CPU     torch rule               torch rule                       torch
 
 "auto": queries whose context is shorter than a crossover length attend densely over the exact
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
 use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
 CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess). Where the
 measurement found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at
-startup. Prefill runs the torch rule on the GPU too, which costs long prompts far more time to
-first token than the dense Triton prefill (32K tokens on the H200: 33 s against 1.7 s).
+startup.
 
 Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
 (KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
@@ -32,7 +31,13 @@ import torch
 from engine.attention import AttentionBackend
 from engine.ffd_cache import FFDCacheSpec, FFDKeyCache
 from kernels import reference
-from kernels.ffd_reference import FFDParams, QuantizedPages, ffd_decode_ref, ffd_prefill_ref, quantize_on_write_ref
+from kernels.ffd_reference import (
+    FFDParams,
+    QuantizedPages,
+    ffd_decode_ref,
+    ffd_prefill_ref,
+    quantize_on_write_ref,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +143,13 @@ class FFDAttentionBackend(AttentionBackend):
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
         assert self.params is not None
-        # scores per query group: ~64 MB of fp32 on the CPU, 512 MB on a GPU (fewer, larger launches)
-        max_scores = 1 << 27 if q.device.type == "cuda" else 1 << 24
-        return ffd_prefill_ref(q, k_cache, v_cache, self.pages_of(k_cache), block_tables, seq_lens,
-                               query_start_loc, scale=scale, params=self.params, max_scores=max_scores)
+        pages = self.pages_of(k_cache)
+        if self.triton:
+            from kernels.ffd_prefill import ffd_prefill
+            return ffd_prefill(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
+                               seq_lens, query_start_loc, scale=scale, params=self.params)
+        return ffd_prefill_ref(q, k_cache, v_cache, pages, block_tables, seq_lens, query_start_loc, scale=scale,
+                               params=self.params)
 
 
 def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
@@ -165,7 +173,7 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
         logger.warning("[flashdecoding] sink_tokens = local_window = 0: no pseudo-max, so FFD keeps every block")
     units = f"δ = {fd.delta:g} ({'natural log' if fd.delta_units == 'e' else 'log2'} units, "
     units += f"{params.delta_log2:.3f} in log2)"
-    where = "triton decode, torch prefill (FFD rule)" if on_gpu else "torch reference (cpu)"
+    where = "triton decode and prefill" if on_gpu else "torch reference (cpu)"
     mode = f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there" if fd.kernel == "auto" else "FFD"
     name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
             f"{params.block_size}, top-δ per GQA group, {units}, sinks {params.sink_tokens}, "

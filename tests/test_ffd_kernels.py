@@ -191,8 +191,8 @@ def test_auto_rows_below_the_crossover_are_dense():
 
 
 def test_backend_glue_triton_equals_reference():
-    """The engine backend's Triton path (store, quantize on write, decode, counters) against its
-    torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
+    """The engine backend's Triton path (store, quantize on write, prefill, decode, counters)
+    against its torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
     from engine.config import FlashDecodingConfig
     from engine.ffd_backend import make_ffd_backend
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
@@ -211,6 +211,10 @@ def test_backend_glue_triton_equals_reference():
     outs, counters = [], []
     for backend, cache in zip(backends, kv):
         backend.store_kv(k, v, cache[0, 0], cache[1, 0], slots)
+        qsl = torch.tensor([0, 200, 330, 393], dtype=torch.int32, device=DEV)
+        q_prompt = torch.randn(len(slots), 8, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
+        prompt_out = backend.prefill(q_prompt, cache[0, 0], cache[1, 0], tables, torch.tensor(lens, device=DEV,
+                                     dtype=torch.int32), qsl, scale=0.125)
         steps, c = [], {}
         for step in range(2):                                        # the 63-token sequence fills its page
             new = torch.tensor([slot(b, n + step) for b, n in enumerate(lens)], device=DEV)
@@ -221,7 +225,7 @@ def test_backend_glue_triton_equals_reference():
             q = torch.randn(3, 8, 64, generator=g).to(DEV)
             steps.append(backend.decode(q, cache[0, 0], cache[1, 0], tables, seq, scale=0.125, layer_idx=0,
                                         counters=c))
-        outs.append(torch.stack(steps).cpu())
+        outs.append(torch.cat([prompt_out.cpu(), torch.stack(steps).cpu().flatten(0, 1)]))
         counters.append({key: float(val) for key, val in c.items()})
     check_close(outs[1], outs[0])
     assert counters[1]["ffd_blocks_total"] == counters[0]["ffd_blocks_total"] == 2 * 2 * (3 + 2 + 1)
