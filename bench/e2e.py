@@ -206,7 +206,8 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
                            "decode": stats.decode_path, "graph_steps": stats.num_graph_steps,
                            "overrides": VARIANTS[variant], "counters": stats.attention_counters,
                            # Must stay 0: a hit would skip prefill and shrink TTFT.
-                           "prefix_cache_hits": engine.block_manager.prefix_cache_hits}
+                           "prefix_cache_hits": engine.block_manager.prefix_cache_hits,
+                           "kv_cache_tokens": engine.capacity_tokens}
     row.update({k: _median([run[k] for run in runs]) for k in runs[0] if k != "tokens"})
     tpots = [run["tpot_ms"] for run in runs if run["tpot_ms"] is not None]
     # The spread over repeats says how much to trust the median on a shared machine.

@@ -8,6 +8,7 @@ stay findable until a new allocation takes them (lazy eviction, least recently f
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_free: Callable[[list[int]], None] | None = None) -> None:
+        """`on_free`: told the blocks whose last reference a `free` dropped (FFD's exact K pool)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -44,6 +47,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.on_free = on_free
 
     @property
     def num_blocks(self) -> int:
@@ -124,11 +128,15 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks that reach zero become reusable (tail first)."""
+        released = []
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+                released.append(block_id)
+        if self.on_free is not None and released:
+            self.on_free(released)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend
-from engine.ffd_cache import FFDCacheSpec, FFDKeyCache
+from engine.ffd_cache import ExactKeyPages, FFDCacheSpec, FFDKeyCache, exact_pool_pages
+from engine.sequence import Sequence
 from kernels import reference
 from kernels.ffd_reference import (
     FFDParams,
@@ -89,6 +90,9 @@ class FFDAttentionBackend(AttentionBackend):
     triton: bool = False                                     # Triton store/decode (GPU; the interpreter in tests)
     cache: FFDKeyCache | None = None
     layer_of: dict[int, int] = field(default_factory=dict)   # K page tensor address -> layer
+    compact: bool = False             # exact K only for pages being filled (kernel = "ffd"), see engine/ffd_cache.py
+    pool_pages: int = 0               # K pool size when compact (size_exact_pool)
+    exact: ExactKeyPages | None = None
 
     @property
     def page_size(self) -> int:
@@ -96,17 +100,60 @@ class FFDAttentionBackend(AttentionBackend):
         assert self.params is not None
         return self.params.block_size
 
-    # ----- cache (called by the model runner) ---------------------------------------------
-    def extra_bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        return FFDCacheSpec(num_layers, num_kv_heads, head_dim, self.page_size).bytes_per_block
+    # ----- cache (called by the engine and the model runner) ----------------------------------
+    def size_exact_pool(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool_pages = exact_pool_pages(max_num_seqs, max_num_batched_tokens, self.page_size)
 
-    def allocate_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache [2, layers, N, BS, Hkv, D]: allocate the quantized keys for the same pages."""
-        _, num_layers, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    def key_cache_pages(self, num_blocks: int) -> int:
+        """K pages to allocate for `num_blocks` KV pages."""
+        if not self.compact:
+            return num_blocks
+        if self.pool_pages <= 0:
+            raise RuntimeError("FFD: size_exact_pool was not called before allocating the KV cache")
+        return min(num_blocks, self.pool_pages)
+
+    def cache_bytes(self, spec: Any) -> tuple[int, int]:
+        """(bytes per KV page, fixed bytes) of this backend's cache: V pages and quantized keys, and
+        exact K pages per page ("auto") or as a fixed pool ("ffd"). `spec`: engine KVCacheSpec."""
+        quantized = FFDCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.page_size).bytes_per_block
+        half = spec.bytes_per_block // 2                        # the K (or the V) pages of one KV page
+        if self.compact:
+            return half + quantized, half * self.key_cache_pages(1 << 62)
+        return 2 * half + quantized, 0
+
+    def allocate_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """K [layers, E, BS, Hkv, D] and V [layers, N, BS, Hkv, D] pages: allocate the quantized keys
+        of the N pages and the page -> K page map."""
+        num_layers, num_blocks, block_size, kv_heads, head_dim = v_cache.shape
         if block_size != self.page_size:
             raise ValueError(f"KV pages of {block_size} tokens; FFD needs pages of ffd_block_size = {self.page_size}")
-        self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, kv_cache.device)
-        self.layer_of = {kv_cache[0, i].data_ptr(): i for i in range(num_layers)}
+        if k_cache.shape[1] != self.key_cache_pages(num_blocks):
+            raise ValueError(f"FFD: {k_cache.shape[1]} K pages for {num_blocks} KV pages; "
+                             f"expected {self.key_cache_pages(num_blocks)}")
+        self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, v_cache.device)
+        self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device, identity=not self.compact)
+        self.layer_of = {k_cache[i].data_ptr(): i for i in range(num_layers)}
+
+    def begin_step(self, seqs: list[Sequence]) -> None:
+        """Before a forward: pool pages for the pages this step writes (compact K cache only)."""
+        if self.exact is None or self.exact.identity:
+            return
+        bs = self.page_size
+        written: list[int] = []
+        filled: list[int] = []
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            end = start + seq.num_scheduled_tokens
+            for j in range(start // bs, (end - 1) // bs + 1):
+                written.append(seq.block_table[j])
+                if (j + 1) * bs <= end:
+                    filled.append(seq.block_table[j])
+        self.exact.begin_step(written, filled)
+
+    def release_pages(self, pages: list[int]) -> None:
+        """The block manager freed these pages."""
+        if self.exact is not None:
+            self.exact.release(pages)
 
     def pages_of(self, k_cache: torch.Tensor) -> QuantizedPages:
         layer = self.layer_of.get(k_cache.data_ptr())
@@ -114,17 +161,22 @@ class FFDAttentionBackend(AttentionBackend):
             raise RuntimeError("FFD: this K cache has no quantized keys (allocate_cache was not called for it)")
         return self.cache.layer(layer)
 
+    @property
+    def key_page_map(self) -> torch.Tensor | None:
+        """The page -> K page map the kernels take (None: the full layout, K page = page)."""
+        return self.exact.key_page_map if self.exact is not None and not self.exact.identity else None
+
     # ----- the three attention functions ---------------------------------------------------
     def _store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         pages = self.pages_of(k_cache)
         if self.triton:
             from kernels import store_kv
             from kernels.ffd_quantize import quantize_on_write
-            store_kv(key, value, k_cache, v_cache, slot_mapping)
-            quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping)
+            store_kv(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
+            quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
         else:
-            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
-            quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping)
+            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
+            quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
         pages = self.pages_of(k_cache)
@@ -134,12 +186,12 @@ class FFDAttentionBackend(AttentionBackend):
             stats = torch.zeros(2, dtype=torch.int64, device=q.device)
             out = ffd_decode(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
                              seq_lens, scale=scale, params=self.params, num_splits=self.num_splits or None,
-                             stats=stats)
+                             stats=stats, key_page_map=self.key_page_map)
             counters["ffd_blocks_total"] = counters.get("ffd_blocks_total", 0.0) + stats[0]
             counters["ffd_blocks_kept"] = counters.get("ffd_blocks_kept", 0.0) + stats[1]
             return out
         return ffd_decode_ref(q, k_cache, v_cache, pages, block_tables, seq_lens, scale=scale,
-                              params=self.params, stats=counters)
+                              params=self.params, stats=counters, key_page_map=self.key_page_map)
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
         assert self.params is not None
@@ -147,9 +199,10 @@ class FFDAttentionBackend(AttentionBackend):
         if self.triton:
             from kernels.ffd_prefill import ffd_prefill
             return ffd_prefill(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
-                               seq_lens, query_start_loc, scale=scale, params=self.params)
+                               seq_lens, query_start_loc, scale=scale, params=self.params,
+                               key_page_map=self.key_page_map)
         return ffd_prefill_ref(q, k_cache, v_cache, pages, block_tables, seq_lens, query_start_loc, scale=scale,
-                               params=self.params)
+                               params=self.params, key_page_map=self.key_page_map)
 
 
 def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
@@ -175,11 +228,14 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
     units += f"{params.delta_log2:.3f} in log2)"
     where = "triton decode and prefill" if on_gpu else "torch reference (cpu)"
     mode = f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there" if fd.kernel == "auto" else "FFD"
+    compact = fd.kernel == "ffd"
+    memory = ("exact keys only for pages being filled" if compact
+              else "exact K kept for the dense path: saves read bandwidth, not memory")
     name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
             f"{params.block_size}, top-δ per GQA group, {units}, sinks {params.sink_tokens}, "
-            f"local window {params.local_window}; exact K/V kept too: saves read bandwidth, not memory)")
+            f"local window {params.local_window}; {memory})")
     backend = FFDAttentionBackend(name=name, params=params, device=device, triton=on_gpu,
-                                  num_splits=int(getattr(fd, "num_splits", 0) or 0))
+                                  num_splits=int(getattr(fd, "num_splits", 0) or 0), compact=compact)
     backend.decode = backend._decode
     backend.store_kv = backend._store
     backend.prefill = backend._prefill

@@ -1,20 +1,23 @@
 """The quantized key cache of `kernel = "ffd"`: per layer, keyed by KV page id.
 
 A KV page is one quantization block (the engine sets the page size to `ffd_block_size`), so the
-2-bit codes, per-channel scales and FP8 residual of a page live at the same page id as its exact
-K/V. A page is quantized from its exact keys when its last row is written, whatever wrote it
+2-bit codes, per-channel scales and FP8 residual of a page live at the same page id as its V. A
+page is quantized from its exact keys when its last row is written, whatever wrote it
 (first-turn prefill, a prefill chunk, a decode step, a recompute after preemption); a prefix-cache
 hit shares the page id and therefore its quantized keys too. Values are never quantized: the
 kernels read them from the regular V pages. The newest, not yet full page is read exactly.
 
-Memory, honestly: this first version keeps the exact K pages as well (the exact tail, prefill
-and the quantizer read them). FFD therefore costs more memory than dense attention, not less:
-per token and KV head at D = 128 in bf16, 512 B of exact K/V plus 32 B of codes, 128 B of
-residual and 512/BS B of scales (~676 B at BS = 128 vs 512). What it saves is decode read
-bandwidth: 36 B per token plus 384 B per token of kept blocks, instead of 512 B.
+Memory: with `kernel = "ffd"` the exact keys of a page live only while the page is being filled
+(`ExactKeyPages`: a small pool of K pages, page -> pool page), since everything after it reads
+the quantized keys; per token and KV head at D = 128 in bf16 that is 256 B of V plus 32 B of
+codes, 128 B of residual and 512/BS B of scales (~420 B at BS = 128, against 512 dense), plus the
+pool. `kernel = "auto"` keeps every exact K page (the dense path below its crossover reads them):
+~676 B. Decode reads 36 B per token plus 384 B per token of kept blocks either way.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +60,75 @@ class FFDKeyCache:
 
     def layer(self, index: int) -> QuantizedPages:
         return QuantizedPages(self.codes[index], self.scales[index], self.residual[index])
+
+
+def exact_pool_pages(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
+    """Pool pages that can be in use at once: each running sequence holds its partial page, and one
+    step writes at most max_num_batched_tokens tokens, which touch up to that many / BS pages plus
+    two per sequence (a partial page at each end of its chunk)."""
+    return math.ceil(max_num_batched_tokens / block_size) + 3 * max_num_seqs
+
+
+class ExactKeyPages:
+    """Which K pool page holds the exact keys of each KV page being filled (host bookkeeping and
+    the device map `key_page_map` [N] int32, -1 = none) for the compact K cache of kernel = "ffd".
+
+    A page gets a pool page when a step first writes it and gives it back the step after the one
+    that wrote its last row (it is quantized by then, and the next step's launches follow that
+    step's on the stream), or when the block manager frees it. Pool pages are never shared, and
+    a page is always written from row 0 onward by one sequence, so no row is read that its owner
+    did not write. `identity`: every page is its own pool page (the full layout of "auto").
+    """
+
+    def __init__(self, num_pages: int, pool_pages: int, device: torch.device, identity: bool = False) -> None:
+        self.identity = identity
+        self.device = device
+        self.key_page_map = (torch.arange(num_pages, dtype=torch.int32, device=device) if identity
+                             else torch.full((num_pages,), -1, dtype=torch.int32, device=device))
+        self.pool_pages = num_pages if identity else pool_pages
+        self.free = list(range(self.pool_pages - 1, -1, -1))   # a stack: low pool pages first
+        self.owner: dict[int, int] = {}                         # KV page -> pool page
+        self.filled_last_step: list[int] = []
+
+    @property
+    def num_in_use(self) -> int:
+        return len(self.owner)
+
+    def begin_step(self, written: Iterable[int], filled: Iterable[int]) -> None:
+        """Before a step that writes rows of the pages `written`, the last row of those in `filled`."""
+        if self.identity:
+            return
+        updates: dict[int, int] = {}
+        self._release(self.filled_last_step, updates)
+        for page in written:
+            if page not in self.owner:
+                if not self.free:
+                    raise RuntimeError(f"FFD: all {self.pool_pages} exact key pages are in use; the pool is sized "
+                                       "from max_num_seqs and max_num_batched_tokens, so this is a bug")
+                self.owner[page] = updates[page] = self.free.pop()
+        self.filled_last_step = list(filled)
+        self._push(updates)
+
+    def release(self, pages: Iterable[int]) -> None:
+        """The block manager freed these pages (finished, aborted or preempted sequences)."""
+        if self.identity:
+            return
+        updates: dict[int, int] = {}
+        self._release(pages, updates)
+        self._push(updates)
+
+    def _release(self, pages: Iterable[int], updates: dict[int, int]) -> None:
+        for page in pages:
+            pool_page = self.owner.pop(page, None)
+            if pool_page is not None:
+                self.free.append(pool_page)
+                updates[page] = -1
+
+    def _push(self, updates: dict[int, int]) -> None:
+        if not updates:
+            return
+        pin = self.device.type == "cuda"
+        idx = torch.tensor(list(updates), dtype=torch.long, pin_memory=pin)
+        val = torch.tensor(list(updates.values()), dtype=torch.int32, pin_memory=pin)
+        # stream-ordered after every launch so far: no step in flight sees the change
+        self.key_page_map[idx.to(self.device, non_blocking=True)] = val.to(self.device, non_blocking=True)

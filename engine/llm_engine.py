@@ -77,6 +77,8 @@ class LLMEngine:
                         "applies to the dense kernels)", config.flashdecoding.kernel, self.backend.page_size,
                         block_size)
             block_size = self.backend.page_size
+        if hasattr(self.backend, "size_exact_pool"):
+            self.backend.size_exact_pool(config.backend.max_num_seqs, config.backend.max_num_batched_tokens)
         # --- end FFD ---
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
         num_blocks = self._num_kv_blocks()
@@ -84,7 +86,8 @@ class LLMEngine:
         self.graphs_text = self._capture_graphs()
         self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
                                                else "; synchronous scheduling")
-        self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching,
+                                          on_free=getattr(self.backend, "release_pages", None))
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)

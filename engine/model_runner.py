@@ -1,7 +1,7 @@
 """Turns a scheduled batch into one forward pass: metadata, KV cache, model call, logits.
 
-The KV cache is one tensor per layer pair `[2, num_layers, num_blocks, block_size, Hkv, D]`,
-sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
+The KV cache is a K and a V tensor `[num_layers, pages, block_size, Hkv, D]` (FFD may keep fewer
+K pages than V pages: `key_cache_pages`), sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
 configured byte budget). Metadata is built once per step and shared by every layer. Decode
 steps replay a captured CUDA graph when `capture_decode_graphs` was called (engine/cuda_graph.py);
 prefill and batches wider than the largest graph run eagerly.
@@ -54,31 +54,35 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.spec = KVCacheSpec(len(self.attention_layers), first.num_kv_heads, first.head_dim, block_size, dtype)
-        self.kv_cache: torch.Tensor | None = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
-        per_block = self.spec.bytes_per_block
-        # --- FFD (issue 5): the quantized keys of a page are sized with it ---
-        if hasattr(self.backend, "extra_bytes_per_block"):
-            per_block += self.backend.extra_bytes_per_block(self.spec.num_layers, self.spec.num_kv_heads,
-                                                            self.spec.head_dim)
+        per_block, fixed = self.spec.bytes_per_block, 0
+        # --- FFD (issue 5): quantized keys per page; exact K pages per page or as a fixed pool ---
+        if hasattr(self.backend, "cache_bytes"):
+            per_block, fixed = self.backend.cache_bytes(self.spec)
         # --- end FFD ---
-        return max(0, budget_bytes // per_block)
+        return max(0, (budget_bytes - fixed) // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.spec
-        self.kv_cache = torch.zeros(2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim,
-                                    dtype=s.dtype, device=self.device)
+        key_pages = num_blocks
+        if hasattr(self.backend, "key_cache_pages"):    # FFD: a pool of exact K pages
+            key_pages = self.backend.key_cache_pages(num_blocks)
+        shape = (s.block_size, s.num_kv_heads, s.head_dim)
+        self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.dtype, device=self.device)
+        self.v_cache = torch.zeros(s.num_layers, num_blocks, *shape, dtype=s.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
+            layer.k_cache = self.k_cache[i]
+            layer.v_cache = self.v_cache[i]
         self.num_blocks = num_blocks
         # --- FFD (issue 5): quantized keys beside the KV cache, indexed by the same page ids ---
         if hasattr(self.backend, "allocate_cache"):
-            self.backend.allocate_cache(self.kv_cache)
+            self.backend.allocate_cache(self.k_cache, self.v_cache)
         # --- end FFD ---
 
     @torch.inference_mode()
@@ -98,7 +102,7 @@ class ModelRunner:
             base = torch.cuda.memory_allocated(self.device)
         self.execute([seq])
         peak = torch.cuda.max_memory_allocated(self.device) - base if on_gpu else 0
-        self.kv_cache = None
+        self.k_cache = self.v_cache = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         if on_gpu:
@@ -107,7 +111,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch: int, max_context_len: int) -> None:
         """Capture decode steps of up to `max_batch` sequences of up to `max_context_len` tokens."""
-        if self.kv_cache is None:
+        if self.v_cache is None:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runs on {self.device}")
@@ -165,6 +169,8 @@ class ModelRunner:
         decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
         if input_ids is not None and (not decode or input_ids.shape != (len(seqs),)):
             raise ValueError("input_ids replaces one token per sequence of a decode step")
+        if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
+            self.backend.begin_step(seqs)
         if self.graphs is not None and decode:
             replayed = self._replay(seqs, input_ids)
             if replayed is not None:

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
 from kernels.flash_decoding import rows_per_tile
+from kernels.kv_store import key_page
 from kernels.vendor import interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
@@ -239,12 +240,12 @@ def _page_tile(X, page, hk, stride_kb, stride_kt, stride_kh, valid, BS: tl.const
 
 
 @triton.jit
-def _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh,
-                BS: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+def _exact_tile(q, K, V, KMAP, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh,
+                BS: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     """Raw exact scores [BLOCK_H, BS] of page `blk` of the sequence, its V tile, token validity."""
     page = tl.load(bt_row + blk, mask=blk * BS < L, other=0).to(tl.int64)   # the tail may be empty
     valid = blk * BS + tl.arange(0, BS) < L
-    k = _page_tile(K, page, hk, stride_kb, stride_kt, stride_kh, valid, BS, D, UPCAST)
+    k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, valid, BS, D, UPCAST)
     v = _page_tile(V, page, hk, stride_kb, stride_kt, stride_kh, valid, BS, D, UPCAST)
     return tl.dot(q, tl.trans(k)), v, valid
 
@@ -301,12 +302,12 @@ def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
 # ----- decode 1: threshold -----------------------------------------------------------------------
 
 @triton.jit
-def _pseudo_max_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM,
+def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM,
                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                        scale_log2, sink, window, min_ffd_len,
                        SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                       D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr):
+                       D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     """Partial pseudo-max: part p < SINK_PARTS is sink block p, then the window's blocks, the last
     part the exact tail. Each writes the row max over its tokens in the sinks or the window."""
     b = tl.program_id(0)
@@ -321,7 +322,8 @@ def _pseudo_max_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, PM,
         q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
         if part == NUM_PARTS - 1:
-            raw, _, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            raw, _, valid = _exact_tile(q, K, V, KMAP, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
+                                        UPCAST, HAS_KMAP)
             ok = valid & _in_window(nq * BS + toks, L, sink, window)
             best = tl.max(tl.where(ok[None, :], raw * scale_log2, float("-inf")), 1)
         else:
@@ -448,13 +450,14 @@ def _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stri
 
 
 @triton.jit
-def _attend_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS,
+def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, max_blocks,
                    scale_log2, min_ffd_len,
                    NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, PER_MAX: tl.constexpr,
                    FLAG_CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                   D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr):
+                   D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr,
+                   HAS_KMAP: tl.constexpr):
     """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
     per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT) <= PER_MAX (see `attend_slots`), so the
     splits cover every kept block exactly once. "auto" rows below the crossover: pages
@@ -483,7 +486,8 @@ def _attend_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_
         lo = split * per
         hi = tl.minimum(lo + per, pages)
         for blk in range(lo, hi):
-            raw, v, valid = _exact_tile(q, K, V, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            raw, v, valid = _exact_tile(q, K, V, KMAP, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
+                                        UPCAST, HAS_KMAP)
             m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
     else:
         flag_row = FLAGS + row * max_blocks
@@ -516,7 +520,8 @@ def _attend_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_
                                      stride_kh, NUM_KV_HEADS, BLOCK_H, BS, D, D4, UPCAST)
                 m, l, acc = _online(m, l, acc, raw * scale_log2, v)
         if (split == NUM_SPLITS - 1) & (L > nq * BS):   # the exact tail, once per sequence
-            raw, v, valid = _exact_tile(q, K, V, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D, UPCAST)
+            raw, v, valid = _exact_tile(q, K, V, KMAP, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
+                                        UPCAST, HAS_KMAP)
             m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
         if COUNT:   # once per (sequence, KV head)
             tl.atomic_add(STATS, nq.to(tl.int64), mask=split == 0)
@@ -604,11 +609,12 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                scales: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                *, scale: float, params: FFDParams, num_splits: int | None = None,
                stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               masks: torch.Tensor | None = None) -> torch.Tensor:
+               masks: torch.Tensor | None = None, key_page_map: torch.Tensor | None = None) -> torch.Tensor:
     """q[B, Hq, D] -> out[B, Hq, D] under the FFD rule (decode: one query per sequence).
 
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
-    (`kernels.ffd_reference`). `stats` (int64 [2], optional) += (full blocks, kept blocks) over
+    (`kernels.ffd_reference`). With `key_page_map` (int32 [N]) k_cache is a smaller pool and the
+    exact keys of page p are its page key_page_map[p] (only the tails are read). `stats` (int64 [2], optional) += (full blocks, kept blocks) over
     (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
     1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
     Raises for shapes the kernel does not serve.
@@ -645,12 +651,13 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
     common = {"NUM_HEADS": num_heads, "NUM_KV_HEADS": kv_heads, "GROUP": group, "BLOCK_H": block_h, "D": dim,
               "D4": dim // 4, "BS": bs, "UPCAST": interpreting()}
+    kmap = seq_lens if key_page_map is None else key_page_map      # any int32 tensor when unused
     q_strides = (q.stride(0), q.stride(1))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _pseudo_max_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, pm, *q_strides, *kv_strides,
+        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, *q_strides, *kv_strides,
         block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
-        SINK_PARTS=sink_parts, NUM_PARTS=num_parts, num_warps=4, **common)
+        SINK_PARTS=sink_parts, NUM_PARTS=num_parts, HAS_KMAP=key_page_map is not None, num_warps=4, **common)
     scan_grid = (batch, kv_heads, choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
     _scan_kernel[scan_grid](
         q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags,
@@ -659,10 +666,11 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
         WRITE_MASK=masks is not None, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     _attend_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
+        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
         stats if stats is not None else p_ml, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
         scale * LOG2E, params.min_ffd_len, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max,
         FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
+        HAS_KMAP=key_page_map is not None,
         num_warps=4 if dim <= 128 else 8, num_stages=2, **common)
     dc = min(dim, max(16, MERGE_TILE // splits))
     _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, out.stride(0), out.stride(1),

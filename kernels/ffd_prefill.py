@@ -33,6 +33,7 @@ from kernels.ffd import (
     _res_dots,
 )
 from kernels.ffd_reference import FFDParams
+from kernels.kv_store import key_page
 from kernels.vendor import interpreting
 
 TILE_ROWS = 64           # query rows (queries x padded group) of one program; 32 at head_dim 256
@@ -68,9 +69,9 @@ def _load_q_rows(Q, tok, head, row_ok, stride_qt, stride_qh, D: tl.constexpr, D4
 
 
 @triton.jit
-def _page_scores(q, q0, q1, q2, q3, K, CODES, SCALES, RES, page, blk, hk, L, pos, nq, any_quant, any_exact,
+def _page_scores(q, q0, q1, q2, q3, K, KMAP, CODES, SCALES, RES, page, blk, hk, L, pos, nq, any_quant, any_exact,
                  stride_kb, stride_kt, stride_kh, scale_log2, NUM_KV_HEADS: tl.constexpr, ROWS: tl.constexpr,
-                 BS: tl.constexpr, D: tl.constexpr, D4: tl.constexpr, UPCAST: tl.constexpr):
+                 BS: tl.constexpr, D: tl.constexpr, D4: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     """Scores [ROWS, BS] (log2 units) of page `blk` for every row: refined keys where the block is
     one of the row's full blocks (blk < nq), exact keys where it holds the row's tail, -inf past
     the row's position. `any_quant` / `any_exact`: whether some row needs that kind at all."""
@@ -81,7 +82,7 @@ def _page_scores(q, q0, q1, q2, q3, K, CODES, SCALES, RES, page, blk, hk, L, pos
                            True, UPCAST) * scale_log2
         z = tl.where((blk < nq)[:, None], zq, z)
     if any_exact:
-        k = _page_tile(K, page, hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
+        k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
         ze = tl.dot(q, tl.trans(k)) * scale_log2
         z = tl.where((blk >= nq)[:, None] & (toks[None, :] <= pos[:, None]), ze, z)
     return z
@@ -103,12 +104,12 @@ def _group_any(x, BLOCK_M: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _ffd_prefill_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
+def _ffd_prefill_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
                         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
                         scale_log2, delta_log2, sink, window, min_ffd_len,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                         BLOCK_M: tl.constexpr, D: tl.constexpr, D4: tl.constexpr, BS: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -137,15 +138,15 @@ def _ffd_prefill_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
         sink_pages = tl.cdiv(sink, BS)
         for blk in range(tl.minimum(sink_pages, last_page + 1)):
             page = tl.load(bt_row + blk).to(tl.int64)
-            z = _page_scores(q, q0, q1, q2, q3, K, CODES, SCALES, RES, page, blk, hk, L, pos, nq, blk < nq_hi,
+            z = _page_scores(q, q0, q1, q2, q3, K, KMAP, CODES, SCALES, RES, page, blk, hk, L, pos, nq, blk < nq_hi,
                              blk >= nq_lo, stride_kb, stride_kt, stride_kh, scale_log2, NUM_KV_HEADS, ROWS, BS,
-                             D, D4, UPCAST)
+                             D, D4, UPCAST, HAS_KMAP)
             best = _window_max(best, z, blk, pos, sink, window, BS)
         for blk in range(tl.maximum(tl.maximum(p_lo + 1 - window, 0) // BS, sink_pages), last_page + 1):
             page = tl.load(bt_row + blk).to(tl.int64)
-            z = _page_scores(q, q0, q1, q2, q3, K, CODES, SCALES, RES, page, blk, hk, L, pos, nq, blk < nq_hi,
+            z = _page_scores(q, q0, q1, q2, q3, K, KMAP, CODES, SCALES, RES, page, blk, hk, L, pos, nq, blk < nq_hi,
                              blk >= nq_lo, stride_kb, stride_kt, stride_kh, scale_log2, NUM_KV_HEADS, ROWS, BS,
-                             D, D4, UPCAST)
+                             D, D4, UPCAST, HAS_KMAP)
             best = _window_max(best, z, blk, pos, sink, window, BS)
         th = best - delta_log2
 
@@ -173,7 +174,7 @@ def _ffd_prefill_kernel(Q, K, V, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
                     raw = _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
                     z = tl.where(keep[:, None], raw * scale_log2, z)
             if blk >= nq_lo:
-                k = _page_tile(K, page, hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
+                k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
                 ze = tl.dot(q, tl.trans(k)) * scale_log2
                 z = tl.where((~quant)[:, None] & (toks[None, :] <= pos[:, None]), ze, z)
             if tl.max(tl.max(z, 1), 0) > float("-inf"):
@@ -195,10 +196,11 @@ def prefill_tile(group: int, head_dim: int) -> tuple[int, int]:
 def ffd_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor,
                 scales: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, *, scale: float, params: FFDParams,
-                max_query_len: int | None = None) -> torch.Tensor:
+                max_query_len: int | None = None, key_page_map: torch.Tensor | None = None) -> torch.Tensor:
     """q[T, Hq, D] (each sequence's new tokens, the last q_len of its seq_lens[b], back to back by
     `query_start_loc[B+1]`; their K/V stored and full pages quantized) -> out[T, Hq, D] under the
-    FFD rule. Same contract as `kernels.ffd_reference.ffd_prefill_ref`. `max_query_len` sizes the
+    FFD rule. Same contract as `kernels.ffd_reference.ffd_prefill_ref` (`key_page_map`: see
+    `kernels.ffd.ffd_decode`). `max_query_len` sizes the
     grid; when omitted it is read from `query_start_loc` (one device sync)."""
     num_tokens, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -219,9 +221,10 @@ def ffd_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     block_m, gp = prefill_tile(group, dim)
     grid = (triton.cdiv(max_query_len, block_m), batch, kv_heads)
     _ffd_prefill_kernel[grid](
-        q, k_cache, v_cache, codes, scales, residual, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, seq_lens if key_page_map is None else key_page_map, codes, scales, residual,
+        block_tables, seq_lens, query_start_loc, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, min(params.delta_log2, 1e30), params.sink_tokens, params.local_window,
         params.min_ffd_len, NUM_KV_HEADS=kv_heads, GROUP=group, GP=gp, BLOCK_M=block_m, D=dim, D4=dim // 4, BS=bs,
-        UPCAST=interpreting(), num_warps=PREFILL_WARPS)
+        UPCAST=interpreting(), HAS_KMAP=key_page_map is not None, num_warps=PREFILL_WARPS)
     return out

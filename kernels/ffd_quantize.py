@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.ffd_reference import RESIDUAL_SCALE
+from kernels.kv_store import key_page
 from kernels.vendor import interpreting
 
 
@@ -31,9 +32,9 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _quantize_kernel(K, SLOTS, CODES, SCALES, RES, stride_kb, stride_kt, stride_kh,
+def _quantize_kernel(K, SLOTS, KMAP, CODES, SCALES, RES, stride_kb, stride_kt, stride_kh,
                      NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
-                     RES_SCALE: tl.constexpr, UPCAST: tl.constexpr):
+                     RES_SCALE: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     t = tl.program_id(0)
     hk = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -41,7 +42,7 @@ def _quantize_kernel(K, SLOTS, CODES, SCALES, RES, stride_kb, stride_kt, stride_
         page = slot // BS
         rows = tl.arange(0, BS)
         cols = tl.arange(0, D4)
-        src = K + page * stride_kb + hk * stride_kh + rows[:, None].to(tl.int64) * stride_kt
+        src = K + key_page(KMAP, page, HAS_KMAP) * stride_kb + hk * stride_kh + rows[:, None].to(tl.int64) * stride_kt
         qbase = page * NUM_KV_HEADS + hk
         packed = tl.zeros([BS, D4], tl.int32)
         for j in tl.static_range(4):
@@ -57,8 +58,10 @@ def _quantize_kernel(K, SLOTS, CODES, SCALES, RES, stride_kb, stride_kt, stride_
 
 
 def quantize_on_write(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      residual: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize each page whose last row a token of this step wrote (after the K/V store).
+                      residual: torch.Tensor, slot_mapping: torch.Tensor,
+                      key_page_map: torch.Tensor | None = None) -> None:
+    """Quantize each page whose last row a token of this step wrote (after the K/V store); its
+    exact keys are k_cache page `key_page_map[page]` when given (`kernels.kv_store`), else `page`.
 
     One program per (token, KV head); the page-full test runs on the device: graph-safe.
     """
@@ -69,6 +72,7 @@ def quantize_on_write(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.
     if k_cache.stride(3) != 1 or not (codes.is_contiguous() and scales.is_contiguous() and residual.is_contiguous()):
         raise ValueError("quantize_on_write needs a contiguous head dim and contiguous quantized tensors")
     _quantize_kernel[(num_tokens, kv_heads)](
-        k_cache, slot_mapping, codes, scales, residual, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache, slot_mapping, slot_mapping if key_page_map is None else key_page_map, codes, scales, residual,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=kv_heads, BS=bs, D=dim, D4=dim // 4, RES_SCALE=RESIDUAL_SCALE, UPCAST=interpreting(),
-        num_warps=4)
+        HAS_KMAP=key_page_map is not None, num_warps=4)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import key_pages_ref
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 LN2 = math.log(2.0)
@@ -105,18 +107,19 @@ def residual_ref(residual: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_on_write_ref(k_cache: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                          residual: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          residual: torch.Tensor, slot_mapping: torch.Tensor,
+                          key_page_map: torch.Tensor | None = None) -> None:
     """Quantize every page whose last row this step wrote (a page fills in token order).
 
-    k_cache[N, BS, Hkv, D]; the quantized tensors are indexed by the same page ids, so prefix
-    hits (shared pages) and recomputed pages are right by construction.
+    k_cache[N, BS, Hkv, D] (or the K pool of `key_page_map`); the quantized tensors are indexed by
+    the KV page ids, so prefix hits (shared pages) and recomputed pages are right by construction.
     """
     bs = k_cache.shape[1]
     slots = slot_mapping[slot_mapping >= 0].long()
     pages = torch.unique(slots[slots % bs == bs - 1] // bs)
     if pages.numel() == 0:
         return
-    c, s, r = quantize_blocks_ref(k_cache[pages])
+    c, s, r = quantize_blocks_ref(k_cache[key_pages_ref(pages, key_page_map)])
     codes[pages], scales[pages], residual[pages] = c, s, r
 
 
@@ -198,10 +201,14 @@ class QuantizedPages:
     residual: torch.Tensor
 
 
-def _seq_keys(k_cache, v_cache, qpages: QuantizedPages, table, length: int, nblk: int):
+def _seq_keys(k_cache, v_cache, qpages: QuantizedPages, table, length: int, nblk: int,
+              key_page_map: torch.Tensor | None = None):
+    """Exact K (NaN on pages without exact keys: any read of them shows), V, 2-bit and refined K."""
     bs = k_cache.shape[1]
     pages = table[:-(-length // bs)].long()
-    k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:length]
+    kp = key_pages_ref(pages, key_page_map)
+    k = k_cache[kp.clamp_min(0)].masked_fill((kp < 0)[:, None, None, None], float("nan"))
+    k = k.reshape(-1, *k_cache.shape[2:])[:length]
     v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:length]
     qp = pages[:nblk]
     k2 = dequantize_blocks_ref(qpages.codes[qp], qpages.scales[qp])
@@ -218,7 +225,8 @@ def _count(stats: dict[str, float] | None, keep: torch.Tensor, nq: torch.Tensor,
 
 def ffd_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qpages: QuantizedPages,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, params: FFDParams,
-                   stats: dict[str, float] | None = None, masks: list | None = None) -> torch.Tensor:
+                   stats: dict[str, float] | None = None, masks: list | None = None,
+                   key_page_map: torch.Tensor | None = None) -> torch.Tensor:
     """q[B, Hq, D], one query per sequence at position seq_lens[b] - 1 -> out[B, Hq, D] (q's dtype).
 
     `stats` gets ffd_blocks_total / ffd_blocks_kept ((KV head, full block) pairs); `masks`, if a
@@ -233,7 +241,7 @@ def ffd_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 masks.append(torch.zeros(k_cache.shape[2], 0, dtype=torch.bool))
             continue
         nblk = length // params.block_size
-        k, v, k2, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk)
+        k, v, k2, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk, key_page_map)
         pos = torch.tensor([length - 1], device=q.device)
         o, keep, nq = attend_seq_ref(q[b:b + 1], pos, k, v, k2, khat, scale, params)
         out[b] = o[0].to(q.dtype)
@@ -245,7 +253,8 @@ def ffd_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def ffd_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qpages: QuantizedPages,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-                    scale: float, params: FFDParams, max_scores: int = 1 << 24) -> torch.Tensor:
+                    scale: float, params: FFDParams, max_scores: int = 1 << 24,
+                    key_page_map: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill chunks (the last q_len of seq_lens[b] tokens, K/V already stored and quantized)
     under the same per-query rule; queries go in groups so a group's scores stay <= max_scores."""
     out = torch.empty_like(q)
@@ -256,7 +265,7 @@ def ffd_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if q1 == q0:
             continue
         nblk = length // params.block_size
-        k, v, k2, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk)
+        k, v, k2, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk, key_page_map)
         first = length - (q1 - q0)
         step = max(1, max_scores // (heads * length))
         for i in range(q0, q1, step):
@@ -269,7 +278,8 @@ def ffd_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def dense_over_refined_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qpages: QuantizedPages, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           *, scale: float, block_size: int) -> torch.Tensor:
+                           *, scale: float, block_size: int, key_page_map: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Decode over refined keys of full blocks + the exact tail, nothing pruned (the δ = ∞ oracle),
     written independently of `attend_seq_ref` (float64)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -277,7 +287,7 @@ def dense_over_refined_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if length == 0:
             continue
         nblk = length // block_size
-        k, v, _, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk)
+        k, v, _, khat = _seq_keys(k_cache, v_cache, qpages, block_tables[b], length, nblk, key_page_map)
         keys = torch.cat([khat.double(), k[nblk * block_size:].double()])
         g = q.shape[1] // k.shape[1]
         keys = keys.repeat_interleave(g, dim=1)

@@ -9,15 +9,22 @@ from __future__ import annotations
 import torch
 
 
+def key_pages_ref(pages: torch.Tensor, key_page_map: torch.Tensor | None) -> torch.Tensor:
+    """The K cache pages holding these KV pages' keys (-1: none); see `kernels.kv_store`."""
+    return pages if key_page_map is None else key_page_map.to(pages.device)[pages].long()
+
+
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write `key/value[T, Hkv, D]` into the caches at `slot_mapping[T]`, skipping slots < 0."""
-    num_blocks, block_size = k_cache.shape[:2]
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, key_page_map: torch.Tensor | None = None) -> None:
+    """Write `key/value[T, Hkv, D]` into the caches at `slot_mapping[T]`, skipping slots < 0; keys
+    at page key_page_map[slot // block_size] of k_cache when given (`kernels.kv_store.store_kv`)."""
+    block_size = v_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    k_slots = key_pages_ref(slots // block_size, key_page_map) * block_size + slots % block_size
+    k_flat = k_cache.view(k_cache.shape[0] * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(v_cache.shape[0] * block_size, *v_cache.shape[2:])
+    k_flat.index_copy_(0, k_slots, key[valid].to(k_cache.dtype))
     v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 

@@ -97,6 +97,7 @@ def test_profiling_forward_runs_and_releases_its_cache(tiny_dir):
     runner = llm.engine.runner
     num_blocks = runner.num_blocks
     assert runner.profile_peak_bytes(100) == 0  # activations are only measured on a GPU
-    assert runner.kv_cache is None and all(layer.k_cache is None for layer in runner.attention_layers)
+    assert runner.k_cache is None and runner.v_cache is None
+    assert all(layer.k_cache is None for layer in runner.attention_layers)
     runner.allocate_kv_cache(num_blocks)
     assert llm.generate(prompts(2), GREEDY)[1].finish_reason == "length"

@@ -199,9 +199,11 @@ def test_backend_glue_triton_equals_reference():
     gen = torch.Generator().manual_seed(2)
     backends = [make_ffd_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
     backends[1].triton = True
+    for backend in backends:    # every exact K page kept (the "auto" layout); the pool: test_ffd_compact.py
+        backend.compact = False
     kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
     for backend, cache in zip(backends, kv):
-        backend.allocate_cache(cache)
+        backend.allocate_cache(cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
     slot = lambda b, p: int(tables[b, p // 64]) * 64 + p % 64
