@@ -143,7 +143,7 @@ def candidate_configs(impl: str, m: int, n: int, k: int, num_sms: int, vendor: s
         tiles = tuple(product((32, 64, 128), (base.block_k,) if quick else (128, 256)))
         warps = (base.num_warps,)
         # With double_buffer off every config runs one stage, so depths would only repeat timings.
-        depths = (base.num_stages,) if quick or not double_buffer else ((2, 3) if vendor == "amd" else (3, 4))
+        depths = (base.num_stages,) if quick or not double_buffer else ((2, 3) if vendor == "amd" else (3, 4, 6))
     m_tiles = -(-m // base.block_m) if impl == "flat" else 1
     found = {base}
     for (bn, bk), nw, stages in product(tiles, warps, depths):

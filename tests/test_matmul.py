@@ -298,7 +298,7 @@ def test_tune_helpers():
         parse_shapes("qkv=4096")
     on = candidate_configs("flat", 4, 4096, 4096, 132, "nvidia", True)
     off = candidate_configs("flat", 4, 4096, 4096, 132, "nvidia", False)
-    assert {c.num_stages for c in on} == {3, 4} and {c.split_k for c in on} >= {1, 4}
+    assert {c.num_stages for c in on} == {3, 4, 6} and {c.split_k for c in on} >= {1, 4}
     assert len(off) < len(on) and all(c.block_m == 16 for c in on)
     gemv_cands = candidate_configs("gemv", 8, 4096, 4096, 132, "nvidia", True)
     assert gemv_cands and all(8 * c.block_n * c.block_k <= 128 * 32 * c.num_warps for c in gemv_cands)
