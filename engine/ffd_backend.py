@@ -52,6 +52,8 @@ CROSSOVER_TOKENS: dict[str, int | None] = {
     "NVIDIA H200": 32768,
 }
 NEVER = 2**31 - 1
+COMPACT_TEXT = "exact keys only for pages being filled"
+FULL_TEXT = "exact K kept for every page: saves read bandwidth, not memory"
 
 
 def params_from_config(fd: Any, min_ffd_len: int = 0) -> FFDParams:
@@ -114,12 +116,29 @@ class FFDAttentionBackend(AttentionBackend):
 
     def cache_bytes(self, spec: Any) -> tuple[int, int]:
         """(bytes per KV page, fixed bytes) of this backend's cache: V pages and quantized keys, and
-        exact K pages per page ("auto") or as a fixed pool ("ffd"). `spec`: engine KVCacheSpec."""
+        exact K pages per page (full layout) or as a fixed pool (compact). `spec`: engine KVCacheSpec."""
         quantized = FFDCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.page_size).bytes_per_block
         half = spec.bytes_per_block // 2                        # the K (or the V) pages of one KV page
         if self.compact:
             return half + quantized, half * self.key_cache_pages(1 << 62)
         return 2 * half + quantized, 0
+
+    def plan_cache(self, spec: Any, budget_bytes: int) -> tuple[int, int]:
+        """`cache_bytes` after choosing the layout that holds more pages in `budget_bytes`.
+
+        The pool is sized for max_num_seqs partial pages; with many sequences allowed and a small
+        budget (a CPU default: 256 sequences in 2 GB) it can cost more than the exact keys it
+        saves, and kernel = "ffd" then keeps every exact K page instead (and says so)."""
+        if self.compact:
+            per_page, fixed = self.cache_bytes(spec)
+            full_per_page = spec.bytes_per_block + per_page - spec.bytes_per_block // 2
+            if (budget_bytes - fixed) // per_page <= budget_bytes // full_per_page:
+                self.compact = False
+                self.name = self.name.replace(COMPACT_TEXT, FULL_TEXT)
+                logger.info("kernel = \"ffd\": a pool of %d exact K pages (max_num_seqs, max_num_batched_tokens) "
+                            "would hold fewer pages in this KV budget than keeping every exact K page; keeping them",
+                            self.pool_pages)
+        return self.cache_bytes(spec)
 
     def allocate_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """K [layers, E, BS, Hkv, D] and V [layers, N, BS, Hkv, D] pages: allocate the quantized keys
@@ -229,8 +248,7 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
     where = "triton decode and prefill" if on_gpu else "torch reference (cpu)"
     mode = f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there" if fd.kernel == "auto" else "FFD"
     compact = fd.kernel == "ffd"
-    memory = ("exact keys only for pages being filled" if compact
-              else "exact K kept for the dense path: saves read bandwidth, not memory")
+    memory = COMPACT_TEXT if compact else FULL_TEXT
     name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
             f"{params.block_size}, top-δ per GQA group, {units}, sinks {params.sink_tokens}, "
             f"local window {params.local_window}; {memory})")

@@ -63,10 +63,12 @@ class FFDKeyCache:
 
 
 def exact_pool_pages(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
-    """Pool pages that can be in use at once: each running sequence holds its partial page, and one
-    step writes at most max_num_batched_tokens tokens, which touch up to that many / BS pages plus
-    two per sequence (a partial page at each end of its chunk)."""
-    return math.ceil(max_num_batched_tokens / block_size) + 3 * max_num_seqs
+    """Pool pages that can be in use at once. When a step starts, the pages filled by the step before
+    are given back first; then each running sequence holds at most its partial page (<= S), and the
+    step's writes take new pages: a chunk of n tokens touches ceil((offset + n) / BS) pages, the
+    first of them its partial page when offset > 0, so at most ceil(n / BS) <= n / BS + 1 new ones,
+    and over the step at most T / BS + S. Peak: T / BS + 2 S."""
+    return math.ceil(max_num_batched_tokens / block_size) + 2 * max_num_seqs
 
 
 class ExactKeyPages:

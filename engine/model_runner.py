@@ -63,8 +63,8 @@ class ModelRunner:
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         per_block, fixed = self.spec.bytes_per_block, 0
         # --- FFD (issue 5): quantized keys per page; exact K pages per page or as a fixed pool ---
-        if hasattr(self.backend, "cache_bytes"):
-            per_block, fixed = self.backend.cache_bytes(self.spec)
+        if hasattr(self.backend, "plan_cache"):
+            per_block, fixed = self.backend.plan_cache(self.spec, budget_bytes)
         # --- end FFD ---
         return max(0, (budget_bytes - fixed) // per_block)
 

@@ -114,12 +114,12 @@ def test_pool_pages_come_and_go_with_the_steps():
         pages.begin_step(written=[9], filled=[])
     pages.release([2, 5, 7])                                # the block manager freed them
     assert pages.num_in_use == 0 and bool((pages.key_page_map == -1).all())
-    assert exact_pool_pages(max_num_seqs=4, max_num_batched_tokens=1024, block_size=64) == 16 + 12
+    assert exact_pool_pages(max_num_seqs=4, max_num_batched_tokens=1024, block_size=64) == 16 + 8
 
 
 def test_engine_keeps_exact_keys_only_in_the_pool(tmp_path, monkeypatch):
-    """kernel = "ffd" sizes the K cache as a pool and more pages fit its budget than "auto"'s; after
-    a run with preemption every pool page is back."""
+    """kernel = "ffd" sizes the K cache as a pool and more pages fit its budget than "auto"'s, unless
+    the pool would cost more than it saves; after a run with preemption every pool page is back."""
     from engine import LLM, SamplingParams
     from tests.tiny_models import make_tiny_model
     if torch.cuda.is_available():
@@ -134,6 +134,12 @@ def test_engine_keeps_exact_keys_only_in_the_pool(tmp_path, monkeypatch):
     assert ffd.runner.k_cache.shape[1] == pool < ffd.runner.v_cache.shape[1]
     assert auto.runner.k_cache.shape[1] == auto.runner.v_cache.shape[1]
     assert ffd.block_manager.num_blocks > 1.3 * auto.block_manager.num_blocks
+    assert "exact keys only for pages being filled" in ffd.backend.name
+    # 256 sequences allowed in the same 8 MB: a pool for them would hold fewer pages than the full layout
+    crowded = LLM(model=tiny, kernel="ffd", **{**settings, "max_num_seqs": 256}).engine
+    assert not crowded.backend.compact and "exact K kept for every page" in crowded.backend.name
+    assert crowded.runner.k_cache.shape[1] == crowded.runner.v_cache.shape[1]
+    assert crowded.block_manager.num_blocks > (8 << 20) * 0.85 // (crowded.runner.spec.bytes_per_block * 1.5)
     small = LLM(model=tiny, kernel="ffd", num_kv_blocks=9, **settings)
     prompts = [[(5 * j + i) % 200 + 3 for j in range(150 + 20 * i)] for i in range(4)]
     small.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
