@@ -14,10 +14,11 @@ step() {  # step SECONDS NAME COMMAND...: run, log to OUT/NAME.log, say how it e
     echo "$name: exit $? ($(tail -n 1 "$OUT/$name.log"))"
 }
 if [ "$PART" != e2e ]; then
-    step 170 gpu_tests python -m pytest -q tests/test_engine_gpu.py tests/test_fused_ops.py tests/test_matmul.py \
-        tests/test_kernels.py tests/test_ffd_kernels.py
+    step 240 gpu_tests python -m pytest -q tests/test_engine_gpu.py tests/test_fused_ops.py tests/test_matmul.py \
+        tests/test_kernels.py tests/test_ffd_kernels.py tests/test_ffd_prefill.py tests/test_ffd_compact.py
     step 100 ffd_check python bench/ffd_kernels.py --check --out "$OUT"
     step 120 ffd_bench python bench/ffd_kernels.py --bench --budget-s 90 --out "$OUT"
+    step 100 ffd_prefill python bench/ffd_kernels.py --prefill --out "$OUT/prefill"
     step 150 matmul python bench/matmul.py --out "$OUT"
 fi
 if [ "$PART" != kernels ]; then

@@ -605,6 +605,22 @@ def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
     return triton.next_power_of_2(max(1, -(-max_blocks // splits), min_per))
 
 
+def check_ffd_inputs(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, params: FFDParams) -> None:
+    """Raise for shapes and layouts the FFD kernels do not serve (q [T, Hq, D], pages [N, BS, Hkv, D])."""
+    num_heads, dim = q.shape[1:]
+    _, bs, kv_heads, _ = k_cache.shape
+    if bs != params.block_size:
+        raise ValueError(f"KV page size {bs} != ffd block size {params.block_size}")
+    if dim not in (64, 128, 256) or k_cache.shape[3] != dim:
+        raise ValueError(f"FFD's Triton kernels serve head_dim 64, 128 or 256 (D/4 >= 16 for tl.dot); got {dim}")
+    if num_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError(f"{what}: Hq must be a multiple of Hkv, K/V pages must share strides, "
+                         "and head dims must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables and seq_lens must be int32, block_tables rows contiguous")
+
+
 def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor,
                scales: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                *, scale: float, params: FFDParams, num_splits: int | None = None,
@@ -614,22 +630,14 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
 
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
     (`kernels.ffd_reference`). With `key_page_map` (int32 [N]) k_cache is a smaller pool and the
-    exact keys of page p are its page key_page_map[p] (only the tails are read). `stats` (int64 [2], optional) += (full blocks, kept blocks) over
-    (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
+    exact keys of page p are its page key_page_map[p] (only the tails are read). `stats` (int64 [2],
+    optional) += (full blocks, kept blocks) over (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
     1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
     Raises for shapes the kernel does not serve.
     """
     batch, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
-    if bs != params.block_size:
-        raise ValueError(f"KV page size {bs} != ffd block size {params.block_size}")
-    if dim not in (64, 128, 256) or k_cache.shape[3] != dim:
-        raise ValueError(f"FFD's Triton kernel serves head_dim 64, 128 or 256 (D/4 >= 16 for tl.dot); got {dim}")
-    if num_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
-        raise ValueError("FFD decode: Hq must be a multiple of Hkv, K/V pages must share strides, "
-                         "and head dims must be contiguous")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables and seq_lens must be int32, block_tables rows contiguous")
+    check_ffd_inputs("FFD decode", q, k_cache, v_cache, block_tables, seq_lens, params)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out

@@ -31,6 +31,7 @@ from kernels.ffd import (
     _page_tile,
     _quant_scores,
     _res_dots,
+    check_ffd_inputs,
 )
 from kernels.ffd_reference import FFDParams
 from kernels.kv_store import key_page
@@ -200,19 +201,13 @@ def ffd_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     """q[T, Hq, D] (each sequence's new tokens, the last q_len of its seq_lens[b], back to back by
     `query_start_loc[B+1]`; their K/V stored and full pages quantized) -> out[T, Hq, D] under the
     FFD rule. Same contract as `kernels.ffd_reference.ffd_prefill_ref` (`key_page_map`: see
-    `kernels.ffd.ffd_decode`). `max_query_len` sizes the
-    grid; when omitted it is read from `query_start_loc` (one device sync)."""
+    `kernels.ffd.ffd_decode`). `max_query_len` sizes the grid; when omitted it is read from
+    `query_start_loc` (one device sync)."""
     num_tokens, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     batch = seq_lens.shape[0]
-    if bs != params.block_size:
-        raise ValueError(f"KV page size {bs} != ffd block size {params.block_size}")
-    if dim not in (64, 128, 256) or k_cache.shape[3] != dim:
-        raise ValueError(f"FFD's Triton kernels serve head_dim 64, 128 or 256 (D/4 >= 16 for tl.dot); got {dim}")
-    if num_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or q.stride(2) != 1:
-        raise ValueError("FFD prefill: Hq must be a multiple of Hkv, K/V pages must share strides, "
-                         "and head dims must be contiguous")
+    check_ffd_inputs("FFD prefill", q, k_cache, v_cache, block_tables, seq_lens, params)
     if num_tokens == 0 or batch == 0:
         return out
     if max_query_len is None:
