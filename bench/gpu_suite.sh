@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of bench/RESULTS.md, each step under its own time limit, results
-# under OUT (default bench/results/gpu_suite). Two parts of about 7 minutes each on an H200, so each
+# under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last.
 #   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e]
 set -u
