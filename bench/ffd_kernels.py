@@ -18,6 +18,8 @@ Flash-Decoding kernel and torch SDPA, in one run.
              Bound = dense bytes * (codes + scales + (1 - s)(residual + V)) / dense bytes / copy BW.
 --crossover  FFD vs flash at L in {4K .. 128K}, B in {1, 8}, synthetic f = 0.2: the shortest L from
              which FFD is faster at both batch sizes (the `kernel = "auto"` crossover).
+--auto-dense `kernel = "auto"` below its crossover (the FFD kernel's dense split-KV rows) against our
+             flash kernel at 4K and 16K, B in {1, 8}: output difference and time.
 --prefill    the FFD prefill kernel (kernels/ffd_prefill.py) on the last 2,048-query chunk of an 8K and
              a 32K prompt (B = 1, Llama-3.1-8B shapes), synthetic f = 0.1 and unstructured N(0,1)
              keys (nothing pruned): error vs the torch rule (fp32, on the GPU) and time against our
@@ -359,6 +361,25 @@ def run_prefill(timer, gen, chunk: int = 2048) -> list[dict]:
     return rows
 
 
+def run_auto_dense(timer, gen) -> list[dict]:
+    """`kernel = "auto"` below its crossover: the FFD kernel's dense split-KV path (every row under
+    min_ffd_len) against our flash kernel on the same pages, L in {4K, 16K}, B in {1, 8}."""
+    rows = []
+    for length in (4096, 16384):
+        for batch in (1, 8):
+            case = Case([length] * batch, 32, 8, 128, gen)
+            below = params(min_len=length + 1)
+            err = rel(ffd(case, below), flash(case))
+            rows.append({"L": length, "B": batch, "rel_err_vs_flash": err,
+                         "auto_dense_us": timer(lambda case=case, p=below: ffd(case, p)),
+                         "flash_us": timer(lambda case=case: flash(case))})
+            rows[-1]["auto_over_flash"] = rows[-1]["auto_dense_us"] / rows[-1]["flash_us"]
+            print("auto_dense", json.dumps(rows[-1]), flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_profile(gen) -> list[dict]:
     """Per-launch GPU µs of one FFD decode (mean over 20 calls) at 128K, B = 1 and 8, f = 0.1."""
     from torch.profiler import ProfilerActivity, profile
@@ -424,6 +445,12 @@ def print_tables(report) -> None:
             print(f"| {r['data']} | {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['ffd_us']:.1f} | "
                   f"{r['flash_us']:.1f} | {sd} | {r['bound_us']:.1f} | {r['ffd_over_bound']:.2f} | "
                   f"{r['speedup_vs_flash']:.2f}x | {vs} |")
+    if report.get("auto_dense"):
+        print("\n| L | B | auto (dense rows) µs | flash µs | auto / flash | rel diff |")
+        print("|---|---|---|---|---|---|")
+        for r in report["auto_dense"]:
+            print(f"| {r['L'] // 1024}K | {r['B']} | {r['auto_dense_us']:.1f} | {r['flash_us']:.1f} | "
+                  f"{r['auto_over_flash']:.2f} | {r['rel_err_vs_flash']:.1e} |")
     if report.get("prefill"):
         print("\n| data | L | chunk | decode sparsity | rel err vs rule | FFD prefill µs | flash prefill µs | FFD/flash |")
         print("|---|---|---|---|---|---|---|---|")
@@ -446,6 +473,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--prefill-sweep", action="store_true")
+    ap.add_argument("--auto-dense", action="store_true")
     ap.add_argument("--dump-real", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny checks, no timing")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting new bench rows after this")
@@ -474,6 +502,9 @@ def main() -> None:
             report["profile"] = run_profile(gen)
             path.write_text(json.dumps(report, indent=1))
         timer = Timer()
+        if args.auto_dense:
+            report["auto_dense"] = run_auto_dense(timer, gen)
+            path.write_text(json.dumps(report, indent=1))
         if args.prefill_sweep:
             report["prefill_sweep"] = run_prefill_sweep(timer, gen)
             path.write_text(json.dumps(report, indent=1))
