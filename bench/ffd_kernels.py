@@ -502,18 +502,12 @@ def main() -> None:
             report["profile"] = run_profile(gen)
             path.write_text(json.dumps(report, indent=1))
         timer = Timer()
-        if args.auto_dense:
-            report["auto_dense"] = run_auto_dense(timer, gen)
-            path.write_text(json.dumps(report, indent=1))
-        if args.prefill_sweep:
-            report["prefill_sweep"] = run_prefill_sweep(timer, gen)
-            path.write_text(json.dumps(report, indent=1))
-        if args.prefill:
-            report["prefill"] = run_prefill(timer, gen)
-            path.write_text(json.dumps(report, indent=1))
-        if args.crossover:
-            report["crossover"] = run_crossover(timer, gen)
-            path.write_text(json.dumps(report, indent=1))
+        timed = {"auto_dense": run_auto_dense, "prefill_sweep": run_prefill_sweep, "prefill": run_prefill,
+                 "crossover": run_crossover}
+        for mode, run_mode in timed.items():
+            if getattr(args, mode):
+                report[mode] = run_mode(timer, gen)
+                path.write_text(json.dumps(report, indent=1))
         if args.bench:
             report["copy_bw"] = copy_bandwidth()
             report["bench"] = run_bench(timer, gen, report["copy_bw"], start + args.budget_s)
