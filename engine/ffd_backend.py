@@ -114,12 +114,13 @@ class FFDAttentionBackend(AttentionBackend):
             raise RuntimeError("FFD: size_exact_pool was not called before allocating the KV cache")
         return min(num_blocks, self.pool_pages)
 
-    def cache_bytes(self, spec: Any) -> tuple[int, int]:
+    def cache_bytes(self, spec: Any, compact: bool | None = None) -> tuple[int, int]:
         """(bytes per KV page, fixed bytes) of this backend's cache: V pages and quantized keys, and
-        exact K pages per page (full layout) or as a fixed pool (compact). `spec`: engine KVCacheSpec."""
+        exact K pages per page (full layout) or as a fixed pool (compact; default: the current
+        layout). `spec`: engine KVCacheSpec."""
         quantized = FFDCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.page_size).bytes_per_block
         half = spec.bytes_per_block // 2                        # the K (or the V) pages of one KV page
-        if self.compact:
+        if self.compact if compact is None else compact:
             return half + quantized, half * self.key_cache_pages(1 << 62)
         return 2 * half + quantized, 0
 
@@ -131,7 +132,7 @@ class FFDAttentionBackend(AttentionBackend):
         saves, and kernel = "ffd" then keeps every exact K page instead (and says so)."""
         if self.compact:
             per_page, fixed = self.cache_bytes(spec)
-            full_per_page = spec.bytes_per_block + per_page - spec.bytes_per_block // 2
+            full_per_page, _ = self.cache_bytes(spec, compact=False)
             if (budget_bytes - fixed) // per_page <= budget_bytes // full_per_page:
                 self.compact = False
                 self.name = self.name.replace(COMPACT_TEXT, FULL_TEXT)
@@ -150,12 +151,12 @@ class FFDAttentionBackend(AttentionBackend):
             raise ValueError(f"FFD: {k_cache.shape[1]} K pages for {num_blocks} KV pages; "
                              f"expected {self.key_cache_pages(num_blocks)}")
         self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, v_cache.device)
-        self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device, identity=not self.compact)
+        self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device) if self.compact else None
         self.layer_of = {k_cache[i].data_ptr(): i for i in range(num_layers)}
 
     def begin_step(self, seqs: list[Sequence]) -> None:
         """Before a forward: pool pages for the pages this step writes (compact K cache only)."""
-        if self.exact is None or self.exact.identity:
+        if self.exact is None:
             return
         bs = self.page_size
         written: list[int] = []
@@ -183,7 +184,7 @@ class FFDAttentionBackend(AttentionBackend):
     @property
     def key_page_map(self) -> torch.Tensor | None:
         """The page -> K page map the kernels take (None: the full layout, K page = page)."""
-        return self.exact.key_page_map if self.exact is not None and not self.exact.identity else None
+        return self.exact.key_page_map if self.exact is not None else None
 
     # ----- the three attention functions ---------------------------------------------------
     def _store(self, key, value, k_cache, v_cache, slot_mapping) -> None:

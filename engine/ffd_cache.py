@@ -79,15 +79,13 @@ class ExactKeyPages:
     that wrote its last row (it is quantized by then, and the next step's launches follow that
     step's on the stream), or when the block manager frees it. Pool pages are never shared, and
     a page is always written from row 0 onward by one sequence, so no row is read that its owner
-    did not write. `identity`: every page is its own pool page (the full layout of "auto").
+    did not write. The full layout ("auto") has no pool: every page is its own K page.
     """
 
-    def __init__(self, num_pages: int, pool_pages: int, device: torch.device, identity: bool = False) -> None:
-        self.identity = identity
+    def __init__(self, num_pages: int, pool_pages: int, device: torch.device) -> None:
         self.device = device
-        self.key_page_map = (torch.arange(num_pages, dtype=torch.int32, device=device) if identity
-                             else torch.full((num_pages,), -1, dtype=torch.int32, device=device))
-        self.pool_pages = num_pages if identity else pool_pages
+        self.key_page_map = torch.full((num_pages,), -1, dtype=torch.int32, device=device)
+        self.pool_pages = pool_pages
         self.free = list(range(self.pool_pages - 1, -1, -1))   # a stack: low pool pages first
         self.owner: dict[int, int] = {}                         # KV page -> pool page
         self.filled_last_step: list[int] = []
@@ -98,8 +96,6 @@ class ExactKeyPages:
 
     def begin_step(self, written: Iterable[int], filled: Iterable[int]) -> None:
         """Before a step that writes rows of the pages `written`, the last row of those in `filled`."""
-        if self.identity:
-            return
         updates: dict[int, int] = {}
         self._release(self.filled_last_step, updates)
         for page in written:
@@ -113,8 +109,6 @@ class ExactKeyPages:
 
     def release(self, pages: Iterable[int]) -> None:
         """The block manager freed these pages (finished, aborted or preempted sequences)."""
-        if self.identity:
-            return
         updates: dict[int, int] = {}
         self._release(pages, updates)
         self._push(updates)

@@ -21,7 +21,8 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     block_size = v_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_slots = key_pages_ref(slots // block_size, key_page_map) * block_size + slots % block_size
+    k_slots = slots if key_page_map is None else (
+        key_pages_ref(slots // block_size, key_page_map) * block_size + slots % block_size)
     k_flat = k_cache.view(k_cache.shape[0] * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(v_cache.shape[0] * block_size, *v_cache.shape[2:])
     k_flat.index_copy_(0, k_slots, key[valid].to(k_cache.dtype))
