@@ -11,9 +11,10 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
   2. `_scan_kernel` (sequence, KV head, program): a pure stream over the 2-bit codes (36 B per token
      and head at D = 128). Each step takes BPP full blocks at once (page ids as one vector, then
      all their codes and scales, then batched 3-D dots) and nothing in the loop branches on data,
-     so Triton pipelines it. The G query heads of a KV head are the rows of one tile (padded to
-     16 for `tl.dot`); a block's scores are four [rows x D/4] x [D/4 x BS] dots, one per code
-     plane (`(byte >> 2j) & 3` is channel range j, no shuffles). A block is kept when any row's
+     so Triton pipelines it. A block's scores are four [BS x D/4] x [D/4 x G] dots, one per code
+     plane (`(byte >> 2j) & 3` is channel range j, no shuffles): the tokens are the MMA's M and
+     the G query heads of the KV head its N, which the MMA pads to 8 (as rows, to 16: twice the
+     tensor-core work). A block is kept when any row's
      block max reaches its threshold, or it overlaps the sinks or the window; the scan stores the
      kept block's page id (-1 if dropped), so the next pass reads no block table.
   3. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
@@ -32,8 +33,9 @@ batches need no host decision.
 
 Arithmetic: the conversion unit (16 results per clock and SM) is the scarce resource of both
 passes, so the GPU builds bf16 operands from bits with a few integer instructions (`plane_asm`,
-`residual_asm`): the code planes as their exact levels code - 1.5, the e4m3 residual as exact
-bf16 times a power of two that the q side compensates.
+`scan_plane_asm`, `residual_asm`): the code planes as their exact levels code - 1.5 (refined
+scores) or as 128 + f * code with the offset taken out after the dot (the scan: half the integer
+work), the e4m3 residual as exact bf16 times a power of two that the q side compensates.
 Precision: the 2-bit scan dots q*scale rounded to bf16 with the exact levels (selection only). A
 kept block's score is q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate),
 plus q.residual with q*scale/R rounded to bf16: a relative error of 2^-9 on a term whose own e4m3
@@ -91,10 +93,39 @@ RES_Q_EXP = 56                     # q * s / R is scaled by 2^RES_Q_EXP before i
 RES_Q_SCALE: tl.constexpr = tl.constexpr(2.0 ** RES_Q_EXP / RESIDUAL_SCALE)
 RES_UNSCALE: tl.constexpr = tl.constexpr(2.0 ** (RES_BITS_EXP - RES_Q_EXP))   # exact, back to key units
 
+SCAN_STEP = (1.0, 4.0, 16.0, 16.0)   # the scan's code plane j is bf16(128 + SCAN_STEP[j] * code)
+
+
+def scan_plane_asm(j: int) -> str:
+    """PTX: four packed code bytes ($2) -> code plane j as two bf16x2 ($0, $1) of 128 + f_j * code,
+    f_j = SCAN_STEP[j].
+
+    prmt spreads bytes 0, 1 (and 2, 3) into the low bytes of two 16-bit lanes; one lop3 per lane,
+    (t & mask_j) | 0x4300, drops the plane's two bits into the mantissa of bf16(128) (plane 3 first
+    moves down 2 bits, since bit 7 is the exponent's). The two prmt are the same for all four planes,
+    so the compiler keeps one pair: about 0.75 integer instructions per code, half of `plane_asm`'s.
+    The scan subtracts (128 + 1.5 f_j) * sum(q side) after the dot; the refined scores keep the
+    exact levels (`plane_asm`), because the offset costs fp32 accumulation bits the logits need.
+    """
+    shift = "shr.b32 t, t, 2; " if j == 3 else ""
+    mask = 0x00030003 << (2 * j) if j < 3 else 0x00300030
+    lane = lambda sel, out: f"prmt.b32 t, $2, 0, {sel}; {shift}lop3.b32 {out}, t, m, c, 0xEA; "   # noqa: E731
+    return ("{ .reg .b32 t, m, c; " + f"mov.b32 m, {mask:#x}; mov.b32 c, 0x43004300; "
+            + lane("0x4140", "$0") + lane("0x4342", "$1") + "}")
+
+
 PLANE_ASM_0: tl.constexpr = tl.constexpr(plane_asm(0))
 PLANE_ASM_1: tl.constexpr = tl.constexpr(plane_asm(1))
 PLANE_ASM_2: tl.constexpr = tl.constexpr(plane_asm(2))
 PLANE_ASM_3: tl.constexpr = tl.constexpr(plane_asm(3))
+SCAN_ASM_0: tl.constexpr = tl.constexpr(scan_plane_asm(0))
+SCAN_ASM_1: tl.constexpr = tl.constexpr(scan_plane_asm(1))
+SCAN_ASM_2: tl.constexpr = tl.constexpr(scan_plane_asm(2))
+SCAN_ASM_3: tl.constexpr = tl.constexpr(scan_plane_asm(3))
+SCAN_F0: tl.constexpr = tl.constexpr(SCAN_STEP[0])
+SCAN_F1: tl.constexpr = tl.constexpr(SCAN_STEP[1])
+SCAN_F2: tl.constexpr = tl.constexpr(SCAN_STEP[2])
+SCAN_F3: tl.constexpr = tl.constexpr(SCAN_STEP[3])
 
 
 # ----- decode: shared pieces ---------------------------------------------------------------------
@@ -343,14 +374,80 @@ def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM,
 # ----- decode 2: 2-bit scan -> keep flags ----------------------------------------------------
 
 @triton.jit
-def _scan_hits(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
-               NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+def _load_qt_plane(Q, b, hk, stride_qb, stride_qh, j: tl.constexpr, GROUP: tl.constexpr, SCAN_N: tl.constexpr,
+                   D4: tl.constexpr):
+    """Channel plane j of the q rows of KV head hk, transposed and in fp32: [D/4, SCAN_N] (columns
+    >= GROUP are 0)."""
+    cols = tl.arange(0, SCAN_N)
+    return tl.load(Q + b.to(tl.int64) * stride_qb + (hk * GROUP + cols)[None, :] * stride_qh + j * D4
+                   + tl.arange(0, D4)[:, None], mask=(cols < GROUP)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scan_plane(byte, j: tl.constexpr):
+    if j == 0:
+        return _plane_bits(byte, SCAN_ASM_0)
+    if j == 1:
+        return _plane_bits(byte, SCAN_ASM_1)
+    if j == 2:
+        return _plane_bits(byte, SCAN_ASM_2)
+    return _plane_bits(byte, SCAN_ASM_3)
+
+
+@triton.jit
+def _scan_term(raw, offset, byte, qt, s, j: tl.constexpr, F: tl.constexpr, UPCAST: tl.constexpr):
+    """raw + plane j [BPP, BS, D/4] x (q_j * s_j) [BPP, D/4, SCAN_N]: the tokens are the dot's M
+    and the query rows its N. GPU: the plane is 128 + F * code (`scan_plane_asm`) against
+    hi = bf16(q_j * s_j) / F (exact: F is a power of two), and `offset` collects the elementwise
+    (128 + 1.5 F) * hi that the caller sums and subtracts, which leaves bf16(q s) . (code - 1.5).
+    Interpreter: the exact levels in fp32."""
+    qs = qt[None, :, :] * s[:, :, None]
+    if UPCAST:
+        return tl.dot(_code_plane(byte, j, UPCAST), qs, raw, input_precision="ieee"), offset
+    hi = (qs * (1.0 / F)).to(tl.bfloat16)
+    offset += hi.to(tl.float32) * (128.0 + 1.5 * F)
+    return tl.dot(_scan_plane(byte, j), hi, raw), offset
+
+
+@triton.jit
+def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                D4: tl.constexpr, UPCAST: tl.constexpr):
     """(1 where any row's 2-bit block max reaches its threshold, page ids) of the BPP blocks `blks`.
 
-    The arithmetic of `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots): every
-    load of the step (page ids, then all codes and scales) is issued before any math. The max over
-    tokens is taken before the (monotone) scaling: same result, 1/BS of the work."""
+    q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
+    transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
+    and the codes are the A operand, which the compiler expands in registers. Every load of the step
+    (page ids, then all codes and scales) is issued before any math. The max over tokens is taken
+    before the (monotone) scaling: same result, 1/BS of the work."""
+    pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
+    qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
+    cols = tl.arange(0, D4)
+    sptr = SCALES + qbase[:, None] * D + cols[None, :]                         # [BPP, D4]
+    s0 = tl.load(sptr + 0 * D4, mask=ok[:, None], other=0.0)
+    s1 = tl.load(sptr + 1 * D4, mask=ok[:, None], other=0.0)
+    s2 = tl.load(sptr + 2 * D4, mask=ok[:, None], other=0.0)
+    s3 = tl.load(sptr + 3 * D4, mask=ok[:, None], other=0.0)
+    toks = tl.arange(0, BS)
+    byte = tl.load(CODES + (qbase[:, None, None] * BS + toks[None, :, None]) * D4 + cols[None, None, :],
+                   mask=ok[:, None, None], other=0)                            # [BPP, BS, D4]
+    raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                             # q.k over [BPP, tokens, rows]
+    offset = tl.zeros([BPP, D4, SCAN_N], tl.float32)
+    raw, offset = _scan_term(raw, offset, byte, qt0, s0, 0, SCAN_F0, UPCAST)
+    raw, offset = _scan_term(raw, offset, byte, qt1, s1, 1, SCAN_F1, UPCAST)
+    raw, offset = _scan_term(raw, offset, byte, qt2, s2, 2, SCAN_F2, UPCAST)
+    raw, offset = _scan_term(raw, offset, byte, qt3, s3, 3, SCAN_F3, UPCAST)
+    bmax = (tl.max(raw, 1) - tl.sum(offset, 1)) * scale_log2                  # [BPP, SCAN_N]
+    return tl.max(tl.where(bmax >= th[None, :], 1, 0), 1), pages
+
+
+@triton.jit
+def _scan_hits_rows(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+               D4: tl.constexpr, UPCAST: tl.constexpr):
+    """`_scan_hits` with the query rows as the dots' M (padded to 16) and the exact levels: for
+    head_dim 64, where a plane is only 16 channels deep and the transposed form's codes would go
+    through shared memory as bf16 (twice the instructions, measured)."""
     pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
     qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
     cols = tl.arange(0, D4)
@@ -381,7 +478,8 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
                  scale_log2, delta_log2, sink, window, min_ffd_len,
                  BPP: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                 D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, WRITE_MASK: tl.constexpr):
+                 D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, WRITE_MASK: tl.constexpr,
+                 SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr):
     """Keep decision of every full block, stored as its page id or -1 (int32): program p takes the
     BPP-block steps p, p + P, p + 2P, ... (P programs per sequence and KV head)."""
     b = tl.program_id(0)
@@ -391,10 +489,16 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
     nq = _quantized_len(L, min_ffd_len, BS)
     steps = tl.cdiv(nq, BPP)
     if prog < steps:
-        rows = tl.arange(0, BLOCK_H)
+        rows = tl.arange(0, SCAN_N)
         row_ok = rows < GROUP
         heads = hk * GROUP + rows
-        q0, q1, q2, q3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D4, UPCAST)
+        if TOKENS_AS_M:
+            qa0 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 0, GROUP, SCAN_N, D4)
+            qa1 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 1, GROUP, SCAN_N, D4)
+            qa2 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 2, GROUP, SCAN_N, D4)
+            qa3 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 3, GROUP, SCAN_N, D4)
+        else:
+            qa0, qa1, qa2, qa3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, SCAN_N, D4, UPCAST)
         parts = tl.arange(0, PARTS_PAD)
         pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_PARTS + parts[None, :],
                      mask=row_ok[:, None] & (parts < NUM_PARTS)[None, :], other=float("-inf"))
@@ -406,8 +510,12 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
         for step in range(prog, steps, tl.num_programs(2)):
             blks = step * BPP + tl.arange(0, BPP)
             ok = blks < nq
-            hit, pages = _scan_hits(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP,
-                                    NUM_KV_HEADS, BLOCK_H, BS, D, D4, UPCAST)
+            if TOKENS_AS_M:
+                hit, pages = _scan_hits(qa0, qa1, qa2, qa3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
+                                        BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
+            else:
+                hit, pages = _scan_hits_rows(qa0, qa1, qa2, qa3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
+                                             BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
             keep = (hit > 0) | (blks < sink_blocks) | ((blks + 1) * BS > forced_hi)
             # the page id of a kept block, -1 for a dropped one: the attend pass then needs no table read
             tl.store(FLAGS + row * max_blocks + blks, tl.where(keep, pages, -1).to(tl.int32), mask=ok)
@@ -571,6 +679,9 @@ SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is als
 MAX_SCAN_BLOCKS = 2     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers
 SCAN_WARPS = 2
 SCAN_STAGES = 3
+# The scan's transposed dots (tokens as M) from this head_dim up: at D = 64 a code plane is 16 channels, too
+# shallow for the compiler to expand the codes in registers (sm_90 SASS: 1561 against 796 instructions per step).
+SCAN_TOKENS_AS_M_MIN_DIM = 128
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
 MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits, channels]
 
@@ -667,12 +778,14 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
         SINK_PARTS=sink_parts, NUM_PARTS=num_parts, HAS_KMAP=key_page_map is not None, num_warps=4, **common)
     scan_grid = (batch, kv_heads, choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
+    tokens_as_m = dim >= SCAN_TOKENS_AS_M_MIN_DIM
     _scan_kernel[scan_grid](
         q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags,
         *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
         BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
-        WRITE_MASK=masks is not None, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
+        WRITE_MASK=masks is not None, TOKENS_AS_M=tokens_as_m,
+        SCAN_N=triton.next_power_of_2(group) if tokens_as_m else block_h, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     _attend_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
         stats if stats is not None else p_ml, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,

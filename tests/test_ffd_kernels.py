@@ -3,7 +3,7 @@ quantize-on-write bit-exact, δ = ∞ equal to dense attention over the refined 
 equal to the reference's, every block visited at 0..257 blocks, tails 0, 1, BS-1, GQA 1/3/4/7,
 head_dim 64 and 128, "auto" rows dense, sparsity counters; the attend pass's split invariants
 (every kept block attended exactly once at any split count, long flag rows); the GPU-only PTX
-(code levels, e4m3 bits) emulated bit for bit.
+(code levels, the scan's offset levels, e4m3 bits) emulated bit for bit.
 
 Tolerances: the interpreter computes in fp32 (UPCAST), so outputs match the fp32 reference to
 1e-5 and masks exactly. Compiled on a GPU the dots take bf16 operands (~1e-3 relative): outputs
@@ -22,10 +22,12 @@ from kernels.ffd import (
     RES_BITS_EXP,
     RES_Q_SCALE,
     RES_UNSCALE,
+    SCAN_STEP,
     attend_slots,
     ffd_decode,
     plane_asm,
     residual_asm,
+    scan_plane_asm,
 )
 from kernels.ffd_quantize import quantize_on_write
 from kernels.ffd_reference import (
@@ -333,6 +335,11 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX lop3.b32: bit i of the result is bit (a_i * 4 + b_i * 2 + c_i) of the 8-bit table."""
+    return sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i for i in range(32))
+
+
 def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     """The few b32 PTX instructions our asm strings use, on Python ints ($N operands by name)."""
     regs = dict(inputs)
@@ -357,6 +364,8 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             r = v[0] * v[1] + v[2]
         elif op == "prmt.b32":
             r = _prmt(v[0], v[1], v[2])
+        elif op == "lop3.b32":
+            r = _lop3(*v)
         else:
             raise AssertionError(f"unexpected PTX {op}")
         regs[d] = r & mask
@@ -372,12 +381,43 @@ def _bf16_of_bits(words: list[int]) -> torch.Tensor:
 def test_code_plane_ptx_gives_the_exact_levels(j):
     """plane_asm(j) on every byte value at every byte position: bf16 of (code - 1.5), code = the byte's
     bits 2j and 2j + 1."""
-    for word in range(256):
-        w = word | ((255 - word) << 8) | (((word * 7) & 255) << 16) | (((word * 13 + 5) & 255) << 24)
+    for w in _some_words():
         regs = run_ptx(plane_asm(j), {"$2": w})
         got = _bf16_of_bits([regs["$0"], regs["$1"]])
         codes = torch.tensor([(w >> (8 * i + 2 * j)) & 3 for i in range(4)], dtype=torch.float32)
         assert torch.equal(got, codes - 1.5), (hex(w), got, codes)
+
+
+def _some_words():
+    """Every byte value at every byte position of a 32-bit word (256 words)."""
+    return [w | ((255 - w) << 8) | (((w * 7) & 255) << 16) | (((w * 13 + 5) & 255) << 24) for w in range(256)]
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 3])
+def test_scan_plane_ptx_gives_128_plus_step_times_code(j):
+    """scan_plane_asm(j): bf16 of 128 + SCAN_STEP[j] * code, code = bits 2j, 2j + 1 of each byte, in
+    byte order (elements 0, 1 in $0, 2, 3 in $1)."""
+    for w in _some_words():
+        regs = run_ptx(scan_plane_asm(j), {"$2": w})
+        got = _bf16_of_bits([regs["$0"], regs["$1"]])
+        codes = torch.tensor([(w >> (8 * i + 2 * j)) & 3 for i in range(4)], dtype=torch.float32)
+        assert torch.equal(got, 128.0 + SCAN_STEP[j] * codes), (j, hex(w), got, codes)
+
+
+def test_scan_offset_leaves_the_exact_level_dot():
+    """What the scan computes, in float64 (exact for these operands): per plane, hi = bf16(q s) / f
+    dotted with 128 + f * code, minus (128 + 1.5 f) * sum(hi), is bf16(q s) . (code - 1.5)."""
+    gen = torch.Generator().manual_seed(4)
+    for mag in (1e-3, 1.0, 1e3):
+        codes = torch.randint(0, 4, (4, 128, 32), generator=gen).double()          # [plane, tokens, D/4]
+        qs = torch.randn(4, 32, 5, generator=gen) * mag                            # [plane, D/4, rows]
+        q_bf16 = qs.to(torch.bfloat16).double()
+        want = sum((codes[j] - 1.5) @ q_bf16[j] for j in range(4))
+        got = torch.zeros_like(want)
+        for j, f in enumerate(SCAN_STEP):
+            hi = (qs[j] / f).to(torch.bfloat16).double()
+            got += (128.0 + f * codes[j]) @ hi - (128.0 + 1.5 * f) * hi.sum(0)
+        assert torch.equal(got, want)
 
 
 def test_residual_ptx_is_e4m3_times_2_pow_minus_120():
