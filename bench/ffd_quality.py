@@ -15,8 +15,9 @@ Everything runs in float32 with the torch rule of `kernels/ffd_reference.py`, wh
    rule on every query (the rule is per query, so position p gets exactly what a decode step at
    p computes after the same tokens); on the last `--window` positions: argmax agreement and mean
    KL(dense || FFD) of the next-token distributions.
-3. free-running greedy generation (`--generate N`): prompt = the text minus its last N tokens,
-   dense vs FFD through the engine: position-wise token agreement and the common-prefix length.
+3. free-running greedy generation (`--generate N`): prompt = the L-token window minus its last N
+   tokens, at `--generate-prompts` offsets spread over the text (default: its beginning), dense vs
+   FFD through the engine: position-wise token agreement and the common-prefix length per prompt.
 4. passkey (`--passkey`): "The pass key is NNNNN" hidden at 10/50/90 % (`--passkey-depths`: also
    30/70 %) depth of a filler of the same text; dense vs FFD greedy answers, found or not.
 5. key format (`--key-formats`): with nothing pruned, at the probe queries, the refined keys'
@@ -185,10 +186,19 @@ def kl_and_agreement(dense: torch.Tensor, ffd: torch.Tensor) -> tuple[float, flo
     return float(kl.mean()), float((dense.argmax(-1) == ffd.argmax(-1)).float().mean())
 
 
-def generate(model_dir, ids, n, fd: dict) -> list[int]:
+def generate(model_dir, prompts: list[list[int]], n, fd: dict) -> list[list[int]]:
+    """n greedy tokens after each prompt, all prompts in one engine (continuous batching)."""
     from engine import LLM, SamplingParams
-    llm = LLM(model=str(model_dir), max_num_batched_tokens=1024, cpu_kv_cache_bytes=1 << 30, **fd)
-    return llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+    kv_bytes = max(1 << 30, len(prompts) * (1 << 29))       # ~0.5 GB per 8K-token float32 sequence
+    llm = LLM(model=str(model_dir), max_num_batched_tokens=1024, cpu_kv_cache_bytes=kv_bytes, **fd)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def prompt_starts(total: int, length: int, count: int) -> list[int]:
+    """Token offsets of `count` prompt windows of `length` tokens, evenly spread over the text (0 first)."""
+    span = max(0, total - length)
+    return [0] if count <= 1 else [round(i * span / (count - 1)) for i in range(count)]
 
 
 def passkey(model_dir, tok: Tokenizer, filler: str, length: int, deltas, depths=(0.1, 0.5, 0.9)) -> list[dict]:
@@ -225,6 +235,8 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=16)
     ap.add_argument("--generate", type=int, default=0, help="free-running tokens (0: skip)")
     ap.add_argument("--generate-contexts", type=int, nargs="*", default=None)
+    ap.add_argument("--generate-prompts", type=int, default=1,
+                    help="prompt windows spread over the text (1: its beginning only)")
     ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
     ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
     ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
@@ -277,17 +289,25 @@ def main() -> None:
             print(f"L={length} δ={delta:g}: teacher-forced agreement {agree:.4f} KL {kl:.2e} "
                   f"({time.time() - t1:.0f} s)", flush=True)
         if args.generate and (args.generate_contexts is None or length in args.generate_contexts):
-            prompt = ids[:length - args.generate]
-            dense_gen = generate(model_dir, prompt, args.generate, {"kernel": "flash"})
+            starts = prompt_starts(len(ids_all), length, args.generate_prompts)
+            prompts = [ids_all[a:a + length - args.generate] for a in starts]
+            dense_gen = generate(model_dir, prompts, args.generate, {"kernel": "flash"})
             entry["generate"] = {}
             for delta in args.deltas:
-                gen = generate(model_dir, prompt, args.generate,
-                               {"kernel": "ffd", "delta": delta, "ffd_block_size": BS})
-                same = [a == b for a, b in zip(dense_gen, gen)]
-                prefix = next((i for i, s in enumerate(same) if not s), len(same))
-                entry["generate"][f"{delta:g}"] = {"agreement": sum(same) / len(same), "common_prefix": prefix}
-                print(f"L={length} δ={delta:g}: generated agreement {sum(same) / len(same):.3f}, "
-                      f"common prefix {prefix}", flush=True)
+                gens = generate(model_dir, prompts, args.generate,
+                                {"kernel": "ffd", "delta": delta, "ffd_block_size": BS})
+                per_prompt = []
+                for start, dense_ids, ffd_ids in zip(starts, dense_gen, gens):
+                    same = [a == b for a, b in zip(dense_ids, ffd_ids)]
+                    prefix = next((i for i, s in enumerate(same) if not s), len(same))
+                    per_prompt.append({"start": start, "agreement": sum(same) / len(same), "common_prefix": prefix})
+                agreement = sum(r["agreement"] for r in per_prompt) / len(per_prompt)
+                entry["generate"][f"{delta:g}"] = {"agreement": agreement,
+                                                   "common_prefix": min(r["common_prefix"] for r in per_prompt),
+                                                   "per_prompt": per_prompt}
+                print(f"L={length} δ={delta:g}: generated agreement {agreement:.3f} (mean of {len(per_prompt)} "
+                      f"prompts), per prompt {[round(r['agreement'], 3) for r in per_prompt]}, common prefixes "
+                      f"{[r['common_prefix'] for r in per_prompt]}", flush=True)
         report["contexts"][str(length)] = entry
         out_path.write_text(json.dumps(report, indent=1))
     if args.passkey:

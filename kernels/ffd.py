@@ -385,6 +385,7 @@ def _load_qt_plane(Q, b, hk, stride_qb, stride_qh, j: tl.constexpr, GROUP: tl.co
 
 @triton.jit
 def _scan_plane(byte, j: tl.constexpr):
+    """Code plane j of a uint8 code tile as bf16(128 + SCAN_STEP[j] * code) (`scan_plane_asm`; GPU only)."""
     if j == 0:
         return _plane_bits(byte, SCAN_ASM_0)
     if j == 1:
@@ -410,16 +411,10 @@ def _scan_term(raw, offset, byte, qt, s, j: tl.constexpr, F: tl.constexpr, UPCAS
 
 
 @triton.jit
-def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
-               NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-               D4: tl.constexpr, UPCAST: tl.constexpr):
-    """(1 where any row's 2-bit block max reaches its threshold, page ids) of the BPP blocks `blks`.
-
-    q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
-    transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
-    and the codes are the A operand, which the compiler expands in registers. Every load of the step
-    (page ids, then all codes and scales) is issued before any math. The max over tokens is taken
-    before the (monotone) scaling: same result, 1/BS of the work."""
+def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr,
+                     D: tl.constexpr, D4: tl.constexpr):
+    """Every load of one scan step, issued before any math: the page ids of the BPP blocks `blks`
+    (0 where not ok), then their four channel-range scales [BPP, D/4] and codes [BPP, BS, D/4]."""
     pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
     qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
     cols = tl.arange(0, D4)
@@ -431,6 +426,20 @@ def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scal
     toks = tl.arange(0, BS)
     byte = tl.load(CODES + (qbase[:, None, None] * BS + toks[None, :, None]) * D4 + cols[None, None, :],
                    mask=ok[:, None, None], other=0)                            # [BPP, BS, D4]
+    return pages, s0, s1, s2, s3, byte
+
+
+@triton.jit
+def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+               D4: tl.constexpr, UPCAST: tl.constexpr):
+    """(1 where any row's 2-bit block max reaches its threshold, page ids) of the BPP blocks `blks`.
+
+    q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
+    transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
+    and the codes are the A operand, which the compiler expands in registers. The max over tokens is
+    taken before the (monotone) scaling: same result, 1/BS of the work."""
+    pages, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                             # q.k over [BPP, tokens, rows]
     offset = tl.zeros([BPP, D4, SCAN_N], tl.float32)
     raw, offset = _scan_term(raw, offset, byte, qt0, s0, 0, SCAN_F0, UPCAST)
@@ -443,22 +452,12 @@ def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scal
 
 @triton.jit
 def _scan_hits_rows(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
-               NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-               D4: tl.constexpr, UPCAST: tl.constexpr):
+                    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                    D4: tl.constexpr, UPCAST: tl.constexpr):
     """`_scan_hits` with the query rows as the dots' M (padded to 16) and the exact levels: for
     head_dim 64, where a plane is only 16 channels deep and the transposed form's codes would go
     through shared memory as bf16 (twice the instructions, measured)."""
-    pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
-    qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
-    cols = tl.arange(0, D4)
-    sptr = SCALES + qbase[:, None] * D + cols[None, :]                         # [BPP, D4]
-    s0 = tl.load(sptr + 0 * D4, mask=ok[:, None], other=0.0)
-    s1 = tl.load(sptr + 1 * D4, mask=ok[:, None], other=0.0)
-    s2 = tl.load(sptr + 2 * D4, mask=ok[:, None], other=0.0)
-    s3 = tl.load(sptr + 3 * D4, mask=ok[:, None], other=0.0)
-    toks = tl.arange(0, BS)
-    byte = tl.load(CODES + (qbase[:, None, None] * BS + toks[None, :, None]) * D4 + cols[None, None, :],
-                   mask=ok[:, None, None], other=0)                            # [BPP, BS, D4]
+    pages, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BLOCK_H, BS], tl.float32)                            # q.k over [BPP, rows, tokens]
     raw = _plane_term(raw, q0.to(tl.float32)[None, :, :] * s0[:, None, :],
                       tl.permute(_code_plane(byte, 0, UPCAST), (0, 2, 1)), False, UPCAST)
