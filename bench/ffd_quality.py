@@ -72,7 +72,9 @@ class Runner:
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
         if hasattr(backend, "allocate_cache"):
-            backend.allocate_cache(kv)
+            # every exact K page stays: one sequence, prefilled once, no engine to lend pool pages
+            backend.compact = False
+            backend.allocate_cache(kv[0], kv[1])
         if probe_pos is not None:
             backend = self._probing(backend, kv, probe_pos)
         table = torch.arange(pages, dtype=torch.int32)[None]

@@ -120,3 +120,24 @@ def test_auto_where_ffd_never_won_is_flash_decoding():
     from engine.ffd_backend import NEVER, make_ffd_backend
     backend = make_ffd_backend(FlashDecodingConfig(kernel="auto"), torch.device("cpu"), "cpu", crossover=NEVER)
     assert "Flash-Decoding split-KV" in backend.name and not hasattr(backend, "allocate_cache")
+
+
+def test_quality_harness_runs_dense_and_ffd_over_one_cache(tiny_dir):
+    """bench/ffd_quality.py's Runner (a chunked prefill over its own full-layout cache) with the dense
+    rule and with FFD at δ = ∞: the same logits up to the quantized keys' error, and not identical
+    (the FFD rule really ran over the 2-bit + residual keys of the full blocks)."""
+    from bench.ffd_quality import Runner, ffd_config
+    from engine.attention import AttentionBackend
+    from engine.ffd_backend import make_ffd_backend
+    from engine.loader import load_model
+
+    model = load_model(tiny_dir, torch.float32, torch.device("cpu"))
+    runner = Runner(model)
+    ids = torch.randint(3, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    dense, kv = runner.run(ids, AttentionBackend(name="dense"), logits_from=200, chunk=128)
+    ffd, _ = runner.run(ids, make_ffd_backend(ffd_config(1e9), torch.device("cpu"), "cpu"), logits_from=200,
+                        chunk=128)
+    assert dense.shape == ffd.shape == (100, model.compute_logits(torch.zeros(1, 64)).shape[-1])
+    assert kv.shape[2] == 3                                   # 300 tokens in pages of 128
+    err = float((ffd - dense).norm() / dense.norm())
+    assert 0 < err < 5e-2, err
