@@ -36,7 +36,9 @@ passes, so the GPU builds bf16 operands from bits with a few integer instruction
 `scan_plane_asm`, `residual_asm`): the code planes as their exact levels code - 1.5 (refined
 scores) or as 128 + f * code with the offset taken out after the dot (the scan: half the integer
 work), the e4m3 residual as exact bf16 times a power of two that the q side compensates.
-Precision: the 2-bit scan dots q*scale rounded to bf16 with the exact levels (selection only). A
+Precision: the 2-bit scan dots q*scale rounded to bf16 with the code levels (selection only; at
+D >= 128 as 128 + f * code, whose fp32 accumulation, about 8 roundings of sums up to ~176 sum|q s|,
+stays below that bf16 rounding of q*s, ~2^-9 |q s| per channel). A
 kept block's score is q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate),
 plus q.residual with q*scale/R rounded to bf16: a relative error of 2^-9 on a term whose own e4m3
 rounding is up to 2^-4, so the refined logits are as accurate as the stored keys allow. P.V runs in
