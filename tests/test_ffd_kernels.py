@@ -3,7 +3,8 @@ quantize-on-write bit-exact, δ = ∞ equal to dense attention over the refined 
 equal to the reference's, every block visited at 0..257 blocks, tails 0, 1, BS-1, GQA 1/3/4/7,
 head_dim 64 and 128, "auto" rows dense, sparsity counters; the attend pass's split invariants
 (every kept block attended exactly once at any split count, long flag rows); the GPU-only PTX
-(code levels, the scan's offset levels, e4m3 bits) emulated bit for bit.
+(code levels, the scan's offset levels, e4m3 bits) emulated bit for bit; the scan's instruction mix
+compiled for sm_90 (`tests/scan_sass.py`).
 
 Tolerances: the interpreter computes in fp32 (UPCAST), so outputs match the fp32 reference to
 1e-5 and masks exactly. Compiled on a GPU the dots take bf16 operands (~1e-3 relative): outputs
@@ -12,7 +13,12 @@ bf16 rounding of its threshold may flip, so a few mask differences are allowed (
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -448,3 +454,25 @@ def test_residual_dot_scaling_keeps_the_product():
         got = (q_side @ r_side.T) * RES_UNSCALE.value
         assert torch.isfinite(got).all()
         assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+# ----- the scan's instruction mix, compiled for sm_90 on the CPU ----------------------------------
+
+@pytest.mark.parametrize("group", [4, 7])
+def test_scan_loop_does_half_the_mma_and_under_one_integer_op_per_code(group):
+    """At head_dim 128 one scan step (BPP blocks on SCAN_WARPS warps) has the tokens as the MMA's M:
+    per warp BPP / SCAN_WARPS * 4 planes * 8 M-tiles * 2 K-steps HMMA (query rows padded to 8; as
+    rows padded to 16 it was twice that), and building the operands costs under one PRMT / LOP3 /
+    SHF per code (it was ~1.2). Compiled by Triton for sm_90 in a child process (the tests
+    themselves run under the interpreter), counted with the cuobjdump Triton ships."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.scan_sass", "128", str(group)], capture_output=True,
+                         text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-2000:]
+    ops = json.loads(run.stdout)
+    bpp = ffd_mod.scan_blocks_per_step(128, 128)
+    codes_per_thread = bpp * 128 * 128 // (ffd_mod.SCAN_WARPS * 32)
+    assert ops["HMMA"] <= bpp * 4 * 8 * 2 // ffd_mod.SCAN_WARPS, ops
+    assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < codes_per_thread, ops
