@@ -111,7 +111,7 @@ def scan_plane_asm(j: int) -> str:
     """
     shift = "shr.b32 t, t, 2; " if j == 3 else ""
     mask = 0x00030003 << (2 * j) if j < 3 else 0x00300030
-    lane = lambda sel, out: f"prmt.b32 t, $2, 0, {sel}; {shift}lop3.b32 {out}, t, m, c, 0xEA; "   # noqa: E731
+    lane = lambda sel, out: f"prmt.b32 t, $2, 0, {sel}; {shift}lop3.b32 {out}, t, m, c, 0xEA; "
     return ("{ .reg .b32 t, m, c; " + f"mov.b32 m, {mask:#x}; mov.b32 c, 0x43004300; "
             + lane("0x4140", "$0") + lane("0x4342", "$1") + "}")
 

@@ -467,7 +467,7 @@ def test_scan_loop_does_half_the_mma_and_under_one_integer_op_per_code(group):
     themselves run under the interpreter), counted with the cuobjdump Triton ships."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.scan_sass", "128", str(group)], capture_output=True,
-                         text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+                         text=True, env=env, cwd=Path(__file__).resolve().parent.parent, check=False)
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-2000:]
