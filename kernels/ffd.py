@@ -169,19 +169,26 @@ def _plane_bits(byte, ASM: tl.constexpr):
 
 
 @triton.jit
+def _plane_of(byte, j: tl.constexpr, ASM_0: tl.constexpr, ASM_1: tl.constexpr, ASM_2: tl.constexpr,
+              ASM_3: tl.constexpr):
+    """Plane j of a uint8 code tile through the j-th of four PTX strings (a constexpr choice)."""
+    if j == 0:
+        return _plane_bits(byte, ASM_0)
+    if j == 1:
+        return _plane_bits(byte, ASM_1)
+    if j == 2:
+        return _plane_bits(byte, ASM_2)
+    return _plane_bits(byte, ASM_3)
+
+
+@triton.jit
 def _code_plane(byte, j: tl.constexpr, UPCAST: tl.constexpr):
     """Code plane j of a uint8 code tile as its levels (code - 1.5), exact.
 
     GPU: bf16 built from the bits (`plane_asm`); interpreter: fp32 arithmetic, same values."""
     if UPCAST:
         return ((byte.to(tl.int32) >> (2 * j)) & 3).to(tl.float32) - 1.5
-    if j == 0:
-        return _plane_bits(byte, PLANE_ASM_0)
-    if j == 1:
-        return _plane_bits(byte, PLANE_ASM_1)
-    if j == 2:
-        return _plane_bits(byte, PLANE_ASM_2)
-    return _plane_bits(byte, PLANE_ASM_3)
+    return _plane_of(byte, j, PLANE_ASM_0, PLANE_ASM_1, PLANE_ASM_2, PLANE_ASM_3)
 
 
 @triton.jit
@@ -388,13 +395,7 @@ def _load_qt_plane(Q, b, hk, stride_qb, stride_qh, j: tl.constexpr, GROUP: tl.co
 @triton.jit
 def _scan_plane(byte, j: tl.constexpr):
     """Code plane j of a uint8 code tile as bf16(128 + SCAN_STEP[j] * code) (`scan_plane_asm`; GPU only)."""
-    if j == 0:
-        return _plane_bits(byte, SCAN_ASM_0)
-    if j == 1:
-        return _plane_bits(byte, SCAN_ASM_1)
-    if j == 2:
-        return _plane_bits(byte, SCAN_ASM_2)
-    return _plane_bits(byte, SCAN_ASM_3)
+    return _plane_of(byte, j, SCAN_ASM_0, SCAN_ASM_1, SCAN_ASM_2, SCAN_ASM_3)
 
 
 @triton.jit
