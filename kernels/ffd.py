@@ -8,6 +8,7 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
   1. `_pseudo_max_kernel` (sequence, KV head, part): each part is one sink block, one window block
      or the exact tail; it writes its row max over the sink / local-window tokens (refined keys in
      full blocks, exact keys in the tail). The threshold is th = max over parts - δ (log2 units).
+     Program (0, 0, 0) also zeroes the batch's kept-block counter.
   2. `_scan_kernel` (sequence, KV head, program): a pure stream over the 2-bit codes (36 B per token
      and head at D = 128). Each step takes BPP full blocks at once (page ids as one vector, then
      all their codes and scales, then batched 3-D dots) and nothing in the loop branches on data,
@@ -16,10 +17,13 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
      the G query heads of the KV head its N, which the MMA pads to 8 (as rows, to 16: twice the
      tensor-core work). A block is kept when any row's
      block max reaches its threshold, or it overlaps the sinks or the window; the scan stores the
-     kept block's page id (-1 if dropped), so the next pass reads no block table.
+     kept block's page id (-1 if dropped), so the next pass reads no block table, and adds its
+     kept blocks to the batch's counter (one atomic per program).
   3. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
      takes those of ranks [split * per, (split + 1) * per) (ranks by a prefix sum, so the work is
-     balanced whatever the sparsity pattern), gathers their page ids into its slot row once, then
+     balanced whatever the sparsity pattern), where per also spreads the batch's kept blocks over
+     about the programs the GPU holds at once (one round, not several rounds of short programs that
+     each pay the fixed chain of flags, ranks and q), gathers their page ids into its slot row once, then
      loops over them with no data-dependent branch: refined scores, V, online softmax in base 2,
      all loads of a block issued before its math. The last split, the one most often idle, also
      attends the exact tail (the tokens past the last full block).
@@ -342,17 +346,19 @@ def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
 # ----- decode 1: threshold -----------------------------------------------------------------------
 
 @triton.jit
-def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM,
+def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, KEPT_TOTAL,
                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                        scale_log2, sink, window, min_ffd_len,
                        SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                        D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
     """Partial pseudo-max: part p < SINK_PARTS is sink block p, then the window's blocks, the last
-    part the exact tail. Each writes the row max over its tokens in the sinks or the window."""
+    part the exact tail. Each writes the row max over its tokens in the sinks or the window.
+    Program (0, 0, 0) zeroes KEPT_TOTAL, which the scan (the next launch) adds to."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     part = tl.program_id(2)
+    tl.store(KEPT_TOTAL, 0, mask=(b == 0) & (hk == 0) & (part == 0))
     L = tl.load(SEQ + b)
     nq = L // BS
     rows = tl.arange(0, BLOCK_H)
@@ -475,7 +481,7 @@ def _scan_hits_rows(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, sca
 
 
 @triton.jit
-def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
+def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK, KEPT_TOTAL,
                  stride_qb, stride_qh, stride_bt, stride_mask, max_blocks,
                  scale_log2, delta_log2, sink, window, min_ffd_len,
                  BPP: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
@@ -483,7 +489,8 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
                  D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, WRITE_MASK: tl.constexpr,
                  SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr):
     """Keep decision of every full block, stored as its page id or -1 (int32): program p takes the
-    BPP-block steps p, p + P, p + 2P, ... (P programs per sequence and KV head)."""
+    BPP-block steps p, p + P, p + 2P, ... (P programs per sequence and KV head); KEPT_TOTAL += its
+    kept blocks."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     prog = tl.program_id(2)
@@ -509,6 +516,7 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
         forced_hi = tl.maximum(L - window, 0)                                  # blocks ending after this: window
         bt_row = BT + b.to(tl.int64) * stride_bt
         row = (b.to(tl.int64) * NUM_KV_HEADS + hk)
+        n_kept = nq * 0
         for step in range(prog, steps, tl.num_programs(2)):
             blks = step * BPP + tl.arange(0, BPP)
             ok = blks < nq
@@ -521,8 +529,10 @@ def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK,
             keep = (hit > 0) | (blks < sink_blocks) | ((blks + 1) * BS > forced_hi)
             # the page id of a kept block, -1 for a dropped one: the attend pass then needs no table read
             tl.store(FLAGS + row * max_blocks + blks, tl.where(keep, pages, -1).to(tl.int32), mask=ok)
+            n_kept += tl.sum((keep & ok).to(tl.int32), 0)
             if WRITE_MASK:   # test output: the keep decision of every full block
                 tl.store(MASK + row * stride_mask + blks, keep.to(tl.int8), mask=ok)
+        tl.atomic_add(KEPT_TOTAL, n_kept)
 
 
 # ----- decode 3: attend over the kept blocks -------------------------------------------------
@@ -560,17 +570,18 @@ def _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stri
 
 
 @triton.jit
-def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS,
+def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS, KEPT_TOTAL,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, max_blocks,
-                   scale_log2, min_ffd_len,
+                   scale_log2, min_ffd_len, resident,
                    NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, PER_MAX: tl.constexpr,
                    FLAG_CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                    D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr,
                    HAS_KMAP: tl.constexpr):
     """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
-    per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT) <= PER_MAX (see `attend_slots`), so the
-    splits cover every kept block exactly once. "auto" rows below the crossover: pages
+    per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT, min(ceil(KEPT_TOTAL / resident), PER_MAX))
+    <= PER_MAX (see `attend_slots`), so the splits cover every kept block exactly once; the last
+    term (resident > 0: about the programs the GPU runs at once) makes the batch's splits one round. "auto" rows below the crossover: pages
     [split * per, (split + 1) * per) of the exact keys instead. ONE_CHUNK: the whole flag row fits
     one FLAG_CHUNK load, read once for both the count and the ranks."""
     b = tl.program_id(0)
@@ -609,6 +620,8 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
             for c in range(tl.cdiv(nq, FLAG_CHUNK)):
                 kept += tl.sum(_flag_chunk(flag_row, c, nq, FLAG_CHUNK)[1], 0)
         per = tl.maximum(tl.cdiv(kept, NUM_SPLITS), MIN_PER_SPLIT)
+        if resident > 0:
+            per = tl.maximum(per, tl.minimum(tl.cdiv(tl.load(KEPT_TOTAL), resident), PER_MAX))
         lo = split * per
         n_mine = tl.minimum(tl.maximum(kept - lo, 0), per)
         if n_mine > 0:
@@ -674,13 +687,14 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 
 SCAN_PROGRAMS_PER_SM = 2     # scan grid size (choose_splits): H200 sweep in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
+ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 72 KB shared on sm_90)
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
 SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is also capped by MAX_SCAN_BLOCKS)
 # Scan step shape, from an H200 sweep (bench/RESULTS.md): 2 blocks per step on 2 warps beat 4 on 4
 # (B = 8, 128K: 188 vs 194 us); wider steps or fewer warps per block run out of registers.
 MAX_SCAN_BLOCKS = 2     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers
 SCAN_WARPS = 2
-SCAN_STAGES = 3
+SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105.9 us; B = 8, 128K: 278.6 vs 300.4)
 # The scan's transposed dots (tokens as M) from this head_dim up: at D = 64 a code plane is 16 channels, too
 # shallow for the compiler to expand the codes in registers (sm_90 SASS: 1561 against 796 instructions per step).
 SCAN_TOKENS_AS_M_MIN_DIM = 128
@@ -710,9 +724,10 @@ def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
     splits), min_per).
 
     Why no kept block is ever dropped: a sequence has kept <= nq <= max_blocks kept blocks, and
-    each split takes per = max(ceil(kept / splits), min_per) of them, so
-      per <= max(ceil(max_blocks / splits), min_per) <= PER_MAX   (every split fits its slots), and
-      splits * per >= kept                                        (the ranges cover all ranks);
+    each split takes per = max(ceil(kept / splits), min_per, min(balance, PER_MAX)) of them (balance:
+    the batch's share per resident program, any value), so
+      per <= max(ceil(max_blocks / splits), min_per, PER_MAX) = PER_MAX  (every split fits its slots),
+      splits * per >= kept                                               (the ranges cover all ranks);
     the ranges [s * per, (s + 1) * per) are disjoint, so each kept block is attended exactly once.
     """
     return triton.next_power_of_2(max(1, -(-max_blocks // splits), min_per))
@@ -738,7 +753,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                scales: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                *, scale: float, params: FFDParams, num_splits: int | None = None,
                stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               masks: torch.Tensor | None = None, key_page_map: torch.Tensor | None = None) -> torch.Tensor:
+               masks: torch.Tensor | None = None, key_page_map: torch.Tensor | None = None,
+               resident_programs: int | None = None) -> torch.Tensor:
     """q[B, Hq, D] -> out[B, Hq, D] under the FFD rule (decode: one query per sequence).
 
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
@@ -746,6 +762,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     exact keys of page p are its page key_page_map[p] (only the tails are read). `stats` (int64 [2],
     optional) += (full blocks, kept blocks) over (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
     1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
+    `resident_programs`: the attend programs to spread the batch's kept blocks over (default about
+    those the GPU runs at once; 0, and the default with `num_splits`: only the per-sequence rule).
     Raises for shapes the kernel does not serve.
     """
     batch, num_heads, dim = q.shape
@@ -757,6 +775,9 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     group = num_heads // kv_heads
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
+    if resident_programs is None:
+        resident_programs = 0 if num_splits else ATTEND_RESIDENT_PER_SM * num_compute_units(q.device)
+    resident = max(0, int(resident_programs))
     max_blocks = max(1, block_tables.shape[1])
     per_max = attend_slots(max_blocks, splits, min_per)
     flag_chunk = min(FLAG_CHUNK, triton.next_power_of_2(max_blocks))
@@ -765,6 +786,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     dev = q.device
     pm = torch.empty(batch * num_heads * num_parts, dtype=torch.float32, device=dev)
     flags = torch.empty(batch * kv_heads * max_blocks, dtype=torch.int32, device=dev)   # page id or -1
+    kept_total = torch.empty(1, dtype=torch.int32, device=dev)                          # zeroed by launch 1
     slots = torch.empty(batch * kv_heads * splits * per_max, dtype=torch.int32, device=dev)
     p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=dev)
     p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=dev)
@@ -776,13 +798,14 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     q_strides = (q.stride(0), q.stride(1))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _pseudo_max_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, *q_strides, *kv_strides,
+        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, kept_total, *q_strides,
+        *kv_strides,
         block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
         SINK_PARTS=sink_parts, NUM_PARTS=num_parts, HAS_KMAP=key_page_map is not None, num_warps=4, **common)
     scan_grid = (batch, kv_heads, choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
     tokens_as_m = dim >= SCAN_TOKENS_AS_M_MIN_DIM
     _scan_kernel[scan_grid](
-        q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags,
+        q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags, kept_total,
         *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
         BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
@@ -790,8 +813,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         SCAN_N=triton.next_power_of_2(group) if tokens_as_m else block_h, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     _attend_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
-        stats if stats is not None else p_ml, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
-        scale * LOG2E, params.min_ffd_len, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max,
+        stats if stats is not None else p_ml, kept_total, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
+        scale * LOG2E, params.min_ffd_len, resident, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max,
         FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
         HAS_KMAP=key_page_map is not None,
         num_warps=4 if dim <= 128 else 8, num_stages=2, **common)

@@ -32,7 +32,7 @@ def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
               "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m,
               "SCAN_N": triton.next_power_of_2(group) if tokens_as_m else 16}
     types = {"Q": "*bf16", "CODES": "*u8", "SCALES": "*fp32", "BT": "*i32", "SEQ": "*i32", "PM": "*fp32",
-             "FLAGS": "*i32", "MASK": "*i8", "scale_log2": "fp32", "delta_log2": "fp32"}
+             "FLAGS": "*i32", "MASK": "*i8", "KEPT_TOTAL": "*i32", "scale_log2": "fp32", "delta_log2": "fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in consts else types.get(name, "i32")

@@ -246,17 +246,42 @@ def test_backend_glue_triton_equals_reference():
 # ----- the attend pass's split invariants --------------------------------------------------------
 
 def test_attend_slots_cover_every_kept_block():
-    """per = max(ceil(kept / splits), min_per) fits PER_MAX slots and the splits' rank ranges cover
-    all kept blocks, for every kept <= max_blocks (the proof in `attend_slots`, checked)."""
+    """per = max(ceil(kept / splits), min_per, min(balance, PER_MAX)) fits PER_MAX slots and the
+    splits' rank ranges cover all kept blocks, for every kept <= max_blocks and any batch balance
+    term (the proof in `attend_slots`, checked)."""
     for splits in (1, 2, 4, 8, 16, 32, 64, 128):
         for min_per in (1, 2):
             for max_blocks in range(1, 300):
                 per_max = attend_slots(max_blocks, splits, min_per)
                 assert per_max & (per_max - 1) == 0
                 kept = torch.arange(max_blocks + 1)
-                per = torch.clamp(-(-kept // splits), min=min_per)
-                assert int(per.max()) <= per_max
-                assert bool((splits * per >= kept).all())
+                for balance in (0, 1, 3, 40, 10**6):
+                    per = torch.clamp(torch.clamp(-(-kept // splits), min=min_per), min=min(balance, per_max))
+                    assert int(per.max()) <= per_max
+                    assert bool((splits * per >= kept).all())
+
+
+@pytest.mark.parametrize("resident,num_splits", [(1, None), (3, 4), (1000, 4)])
+def test_batch_balanced_shares_attend_every_kept_block_once(resident, num_splits):
+    """The attend shares sized from the batch's kept-block counter (`resident_programs`): 1 gives
+    each split as many blocks as its slots hold, 3 a share between that and the per-sequence rule,
+    1000 (with 4 splits) the per-sequence rule. A skewed batch (one long sequence, short and empty
+    ones) still gets the reference's masks, statistics and output."""
+    bs = 64
+    lens = [130 * bs + 7, 9 * bs + 63, 0, 2 * bs + 1, 5]
+    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=21))
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    q, k, v, qp, tables, seq = case
+    masks = torch.full((len(lens), 2, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+    out = run(case, p, stats=stats, masks=masks, resident_programs=resident, num_splits=num_splits)
+    ref_masks, ref_stats = [], {}
+    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
+                         stats=ref_stats, masks=ref_masks)
+    diff = check_masks(masks, ref_masks, lens, bs)
+    check_stats(stats, ref_stats, masks, lens, bs)
+    assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]
+    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 4])
