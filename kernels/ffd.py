@@ -580,8 +580,10 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
                    HAS_KMAP: tl.constexpr):
     """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
     per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT, min(ceil(KEPT_TOTAL / resident), PER_MAX))
-    <= PER_MAX (see `attend_slots`), so the splits cover every kept block exactly once; the last
-    term (resident > 0: about the programs the GPU runs at once) makes the batch's splits one round. "auto" rows below the crossover: pages
+    <= PER_MAX (see `attend_slots`), so the splits cover every kept block exactly once. The last
+    term (resident > 0) makes the batch's busy splits one round: with resident = the programs the
+    GPU runs at once minus the rows (B * Hkv), sum over rows of ceil(kept / per) <= KEPT_TOTAL / per
+    + rows <= the programs the GPU runs at once. "auto" rows below the crossover: pages
     [split * per, (split + 1) * per) of the exact keys instead. ONE_CHUNK: the whole flag row fits
     one FLAG_CHUNK load, read once for both the count and the ranks."""
     b = tl.program_id(0)
@@ -685,15 +687,16 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 
 # ----- host side ---------------------------------------------------------------------------------
 
-SCAN_PROGRAMS_PER_SM = 2     # scan grid size (choose_splits): H200 sweep in bench/RESULTS.md
+SCAN_PROGRAMS_PER_SM = 4     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
-ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 72 KB shared on sm_90)
+ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 113 KB shared on sm_90)
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
 SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is also capped by MAX_SCAN_BLOCKS)
-# Scan step shape, from an H200 sweep (bench/RESULTS.md): 2 blocks per step on 2 warps beat 4 on 4
-# (B = 8, 128K: 188 vs 194 us); wider steps or fewer warps per block run out of registers.
-MAX_SCAN_BLOCKS = 2     # BPP cap: [BPP, BS, D/4] codes and [BPP, 16, BS] scores in registers
-SCAN_WARPS = 2
+# Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
+# 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
+# 256K: 84.9 vs 86.0) and 4 blocks on 4 warps; more warps per block (4 warps, 2 blocks: 402.5) lose.
+MAX_SCAN_BLOCKS = 1     # BPP cap: [BPP, BS, D/4] codes and [BPP, BS, G] scores in registers
+SCAN_WARPS = 1
 SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105.9 us; B = 8, 128K: 278.6 vs 300.4)
 # The scan's transposed dots (tokens as M) from this head_dim up: at D = 64 a code plane is 16 channels, too
 # shallow for the compiler to expand the codes in registers (sm_90 SASS: 1561 against 796 instructions per step).
@@ -769,8 +772,9 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     exact keys of page p are its page key_page_map[p] (only the tails are read). `stats` (int64 [2],
     optional) += (full blocks, kept blocks) over (sequence, KV head) pairs; `masks` (int8 [B, Hkv, >= max blocks], optional, for tests) gets
     1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
-    `resident_programs`: the attend programs to spread the batch's kept blocks over (default about
-    those the GPU runs at once; 0, and the default with `num_splits`: only the per-sequence rule).
+    `resident_programs`: the attend programs to spread the batch's kept blocks over (default: those
+    the GPU runs at once minus one per (sequence, KV head), whose ceil() may each add one; 0, and
+    the default with `num_splits`: only the per-sequence rule).
     Raises for shapes the kernel does not serve.
     """
     batch, num_heads, dim = q.shape
@@ -783,7 +787,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
     if resident_programs is None:
-        resident_programs = 0 if num_splits else ATTEND_RESIDENT_PER_SM * num_compute_units(q.device)
+        resident_programs = 0 if num_splits else ATTEND_RESIDENT_PER_SM * num_compute_units(q.device) - batch * kv_heads
     resident = max(0, int(resident_programs))
     max_blocks = max(1, block_tables.shape[1])
     per_max = attend_slots(max_blocks, splits, min_per)
