@@ -141,20 +141,20 @@ def qp_cpu(qp):
     return QuantizedPages(qp.codes.cpu(), qp.scales.cpu(), qp.residual.cpu())
 
 
-def check_against_reference(case, p, lens, bs, num_splits):
-    """Run the kernel with masks and stats; masks, stats and output against the torch rule (one KV
-    head). Returns the rule's stats."""
+def check_against_reference(case, p, lens, bs, **kw):
+    """Run the kernel (keyword arguments `kw`) with masks and stats; masks, stats and output against
+    the torch rule. Returns the kernel's output and the rule's stats."""
     q, k, v, qp, tables, seq = case
-    masks = torch.full((len(lens), 1, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
+    masks = torch.full((len(lens), k.shape[2], tables.shape[1]), -1, dtype=torch.int8, device=DEV)
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, masks=masks, num_splits=num_splits)
+    out = run(case, p, stats=stats, masks=masks, **kw)
     ref_masks, ref_stats = [], {}
     ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
                          stats=ref_stats, masks=ref_masks)
     diff = check_masks(masks, ref_masks, lens, bs)
     check_stats(stats, ref_stats, masks, lens, bs)
     check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)   # a flipped block moves the output
-    return ref_stats
+    return out, ref_stats
 
 
 @pytest.mark.parametrize("num_blocks", [127, 128, 129, 257])
@@ -163,7 +163,7 @@ def test_every_block_is_visited_and_masks_equal_the_reference(num_blocks):
     lens = [num_blocks * bs + 63, num_blocks * bs, 3 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=1, group=4, dim=64, seed=num_blocks))
     p = params(bs=bs, delta_log2=3.0, sink=4, window=64)
-    ref_stats = check_against_reference(case, p, lens, bs, num_splits=5)
+    _, ref_stats = check_against_reference(case, p, lens, bs, num_splits=5)
     assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]   # it really prunes
 
 
@@ -271,17 +271,8 @@ def test_batch_balanced_shares_attend_every_kept_block_once(resident, num_splits
     lens = [130 * bs + 7, 9 * bs + 63, 0, 2 * bs + 1, 5]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=21))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
-    q, k, v, qp, tables, seq = case
-    masks = torch.full((len(lens), 2, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
-    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, masks=masks, resident_programs=resident, num_splits=num_splits)
-    ref_masks, ref_stats = [], {}
-    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
-                         stats=ref_stats, masks=ref_masks)
-    diff = check_masks(masks, ref_masks, lens, bs)
-    check_stats(stats, ref_stats, masks, lens, bs)
+    _, ref_stats = check_against_reference(case, p, lens, bs, resident_programs=resident, num_splits=num_splits)
     assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]
-    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 4])
@@ -309,18 +300,9 @@ def test_many_lengths_in_one_batch():
     lens = [0, 1, 63, 64, 65, 130 * bs + 7, 7 * bs, 20 * bs + 33, 2 * bs + 1, 5, 127 * bs, 3 * bs - 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=3, dim=64, seed=11))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
-    q, k, v, qp, tables, seq = case
-    masks = torch.full((len(lens), 2, tables.shape[1]), -1, dtype=torch.int8, device=DEV)
-    stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, masks=masks)
-    ref_masks, ref_stats = [], {}
-    ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
-                         stats=ref_stats, masks=ref_masks)
-    diff = check_masks(masks, ref_masks, lens, bs)
-    check_stats(stats, ref_stats, masks, lens, bs)
+    out, ref_stats = check_against_reference(case, p, lens, bs)
     assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]
     assert not out[0].any()                                           # an empty sequence reads as 0
-    check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
 
 
 def test_scan_grid_size_changes_nothing(monkeypatch):
