@@ -687,7 +687,7 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 
 # ----- host side ---------------------------------------------------------------------------------
 
-SCAN_PROGRAMS_PER_SM = 4     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
+SCAN_PROGRAMS_PER_SM = 8     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
 ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 113 KB shared on sm_90)
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
@@ -695,6 +695,7 @@ SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is als
 # Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
 # 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
 # 256K: 84.9 vs 86.0) and 4 blocks on 4 warps; more warps per block (4 warps, 2 blocks: 402.5) lose.
+# 8 programs per SM then: B = 8, 128K 253.4 vs 262.6 (16: 250.8, but 16K slower), B = 1 the same.
 MAX_SCAN_BLOCKS = 1     # BPP cap: [BPP, BS, D/4] codes and [BPP, BS, G] scores in registers
 SCAN_WARPS = 1
 SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105.9 us; B = 8, 128K: 278.6 vs 300.4)
