@@ -691,12 +691,11 @@ SCAN_PROGRAMS_PER_SM = 8     # scan grid size (choose_splits): H200 sweeps in be
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
 ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 113 KB shared on sm_90)
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
-SCAN_CODE_BYTES = 16384  # most 2-bit code bytes one scan step loads (BPP is also capped by MAX_SCAN_BLOCKS)
 # Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
 # 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
 # 256K: 84.9 vs 86.0) and 4 blocks on 4 warps; more warps per block (4 warps, 2 blocks: 402.5) lose.
 # 8 programs per SM then: B = 8, 128K 253.4 vs 262.6 (16: 250.8, but 16K slower), B = 1 the same.
-MAX_SCAN_BLOCKS = 1     # BPP cap: [BPP, BS, D/4] codes and [BPP, BS, G] scores in registers
+SCAN_BLOCKS_PER_STEP = 1   # BPP: [BPP, BS, D/4] codes and [BPP, BS, G] scores in registers
 SCAN_WARPS = 1
 SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105.9 us; B = 8, 128K: 278.6 vs 300.4)
 # The scan's transposed dots (tokens as M) from this head_dim up: at D = 64 a code plane is 16 channels, too
@@ -716,11 +715,6 @@ def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: i
     every block."""
     target = per_sm * num_compute_units(device)
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
-
-
-def scan_blocks_per_step(block_size: int, head_dim: int) -> int:
-    """BPP: full blocks one scan step reads together, ~SCAN_CODE_BYTES of codes (power of two)."""
-    return max(1, min(MAX_SCAN_BLOCKS, SCAN_CODE_BYTES // (block_size * head_dim // 4)))
 
 
 def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
@@ -820,7 +814,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags, kept_total,
         *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
-        BPP=scan_blocks_per_step(bs, dim), NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
+        BPP=SCAN_BLOCKS_PER_STEP, NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
         WRITE_MASK=masks is not None, TOKENS_AS_M=tokens_as_m,
         SCAN_N=triton.next_power_of_2(group) if tokens_as_m else block_h, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     _attend_kernel[(batch, kv_heads, splits)](

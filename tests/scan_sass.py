@@ -27,7 +27,7 @@ def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
 
     fn = ffd._scan_kernel
     bs, tokens_as_m = 128, dim >= ffd.SCAN_TOKENS_AS_M_MIN_DIM
-    consts = {"BPP": ffd.scan_blocks_per_step(bs, dim), "NUM_PARTS": 4, "PARTS_PAD": 4, "NUM_HEADS": 8 * group,
+    consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 4, "NUM_HEADS": 8 * group,
               "NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_H": 16, "D": dim, "D4": dim // 4, "BS": bs,
               "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m,
               "SCAN_N": triton.next_power_of_2(group) if tokens_as_m else 16}

@@ -479,7 +479,7 @@ def test_scan_loop_does_half_the_mma_and_under_one_integer_op_per_code(group):
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-2000:]
     ops = json.loads(run.stdout)
-    bpp = ffd_mod.scan_blocks_per_step(128, 128)
+    bpp = ffd_mod.SCAN_BLOCKS_PER_STEP
     codes_per_thread = bpp * 128 * 128 // (ffd_mod.SCAN_WARPS * 32)
     assert ops["HMMA"] <= bpp * 4 * 8 * 2 // ffd_mod.SCAN_WARPS, ops
     assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < codes_per_thread, ops
