@@ -37,16 +37,20 @@ batches need no host decision.
 
 Arithmetic: the conversion unit (16 results per clock and SM) is the scarce resource of both
 passes, so the GPU builds bf16 operands from bits with a few integer instructions (`plane_asm`,
-`scan_plane_asm`, `residual_asm`): the code planes as their exact levels code - 1.5 (refined
-scores) or as 128 + f * code with the offset taken out after the dot (the scan: half the integer
-work), the e4m3 residual as exact bf16 times a power of two that the q side compensates.
+`scan_plane_asm`, `residual_asm`, `refined_plane_asm`): the code planes as their exact levels
+code - 1.5 (threshold) or as 128 + f * code with the offset taken out after the dot (the scan: half
+the integer work), the e4m3 residual as exact bf16 times a power of two that the q side compensates
+(threshold) or, with one bf16 fma per two values, added to the level (the attend's refined key).
 Precision: the 2-bit scan dots q*scale rounded to bf16 with the code levels (selection only; at
 D >= 128 as 128 + f * code, whose fp32 accumulation, about 8 roundings of sums up to ~176 sum|q s|,
-stays below that bf16 rounding of q*s, ~2^-9 |q s| per channel). A
-kept block's score is q.(2-bit key) with q*scale split into bf16 hi + lo parts (~fp32-accurate),
-plus q.residual with q*scale/R rounded to bf16: a relative error of 2^-9 on a term whose own e4m3
-rounding is up to 2^-4, so the refined logits are as accurate as the stored keys allow. P.V runs in
-V's dtype, fp32 accumulate. Under the interpreter (UPCAST) all of it is fp32 arithmetic.
+stays below that bf16 rounding of q*s, ~2^-9 |q s| per channel). The
+pseudo-max, which sets the threshold, scores with q*scale split into bf16 hi + lo parts plus
+q.residual with q*scale/R rounded to bf16 (~fp32-accurate, so selection matches the torch rule). A
+kept block's softmax scores are bf16(q*scale) . bf16(code - 1.5 + r/R) per plane: the refined key
+rounded to bf16 (at most 2^-8 of the channel scale, a quarter of the stored e4m3 residual's own
+rounding; the precision of a bf16 KV cache) and one dot per plane instead of three (H200, B = 8,
+128K: attend 123.4 -> 104.4 us). P.V runs in V's dtype, fp32 accumulate. Under the interpreter (UPCAST) all of it
+is fp32 arithmetic.
 """
 from __future__ import annotations
 
@@ -67,8 +71,9 @@ LEVELS_LO = 0xC00000C0    # low bytes of bf16(code - 1.5) for code 0..3: -1.5, -
 LEVELS_HI = 0x3F3FBFBF    # their high bytes
 
 
-def plane_asm(j: int) -> str:
-    """PTX: four packed code bytes ($2) -> code plane j as two bf16x2 ($0, $1) of the levels code - 1.5.
+def _levels_ptx(j: int, out0: str, out1: str) -> str:
+    """PTX body: four packed code bytes ($2) -> code plane j as two bf16x2 (out0, out1) of the levels
+    code - 1.5 (temporaries t, u, lut).
 
     `prmt` is a byte table lookup when its selector comes from the data: t = the four 2-bit codes
     (one per byte), u = t * 0x11 + 0x40404040 puts code c in selector nibbles (c, 4 + c), which
@@ -77,27 +82,53 @@ def plane_asm(j: int) -> str:
     scan at 16 codes per clock and SM. The levels are exact, so the dot needs no zero-point term.
     """
     codes = "and.b32 t, $2, 0x03030303; " if j == 0 else f"shr.b32 t, $2, {2 * j}; and.b32 t, t, 0x03030303; "
-    return ("{ .reg .b32 t, u, lut; " + f"mov.b32 lut, {LEVELS_LO:#x}; " + codes
-            + "mad.lo.u32 u, t, 0x11, 0x40404040; "
-            + f"prmt.b32 $0, lut, {LEVELS_HI:#x}, u; shr.b32 u, u, 16; prmt.b32 $1, lut, {LEVELS_HI:#x}, u; }}")
+    return (f"mov.b32 lut, {LEVELS_LO:#x}; " + codes + "mad.lo.u32 u, t, 0x11, 0x40404040; "
+            + f"prmt.b32 {out0}, lut, {LEVELS_HI:#x}, u; shr.b32 u, u, 16; prmt.b32 {out1}, lut, {LEVELS_HI:#x}, u; ")
 
 
-def residual_asm() -> str:
-    """PTX: four packed e4m3 bytes ($2) -> two bf16x2 ($0, $1) of value * 2^-RES_BITS_EXP, exact.
+def _residual_ptx(src: str, out0: str, out1: str) -> str:
+    """PTX body: four packed e4m3 bytes (src) -> two bf16x2 (out0, out1) of value * 2^-RES_BITS_EXP,
+    exact (temporary t).
 
     Each byte, sign-extended to 16 bits (prmt), shifted left by 4 and masked to bit 15 and bits 4-10
     is the bf16 with the e4m3 exponent and mantissa bits in place: the same number scaled by
     2^(7 - 127), for normals, subnormals and signed zeros alike. Three integer instructions per two
     values instead of e4m3 -> f16 -> f32 -> bf16 conversions."""
-    return ("{ .reg .b32 t; prmt.b32 t, $2, 0, 0x9180; shl.b32 t, t, 4; and.b32 $0, t, 0x87f087f0; "
-            "prmt.b32 t, $2, 0, 0xb3a2; shl.b32 t, t, 4; and.b32 $1, t, 0x87f087f0; }")
+    return (f"prmt.b32 t, {src}, 0, 0x9180; shl.b32 t, t, 4; and.b32 {out0}, t, 0x87f087f0; "
+            f"prmt.b32 t, {src}, 0, 0xb3a2; shl.b32 t, t, 4; and.b32 {out1}, t, 0x87f087f0; ")
 
 
+def plane_asm(j: int) -> str:
+    """PTX: four packed code bytes ($2) -> code plane j as two bf16x2 ($0, $1) of code - 1.5 (`_levels_ptx`)."""
+    return "{ .reg .b32 t, u, lut; " + _levels_ptx(j, "$0", "$1") + "}"
+
+
+def residual_asm() -> str:
+    """PTX: four packed e4m3 bytes ($2) -> two bf16x2 ($0, $1) of value * 2^-RES_BITS_EXP (`_residual_ptx`)."""
+    return "{ .reg .b32 t; " + _residual_ptx("$2", "$0", "$1") + "}"
+
+
+def refined_plane_asm(j: int) -> str:
+    """PTX: four code bytes ($2) and the four e4m3 residuals of their plane-j channels ($3) -> two
+    bf16x2 ($0, $1) of the refined key in units of the channel scale, bf16(code - 1.5 + r / R).
+
+    The levels and the residual bits as above, then one fma per two values, r_bits * 2^(RES_BITS_EXP)
+    / R + level: the product is exact (a power of two), so the one rounding is the sum's to bf16."""
+    return ("{ .reg .b32 t, u, lut, a0, a1, r0, r1, f; " + _levels_ptx(j, "a0", "a1") + _residual_ptx("$3", "r0", "r1")
+            + f"mov.b32 f, {REFINE_FACTOR_BF16X2:#x}; fma.rn.bf16x2 $0, r0, f, a0; fma.rn.bf16x2 $1, r1, f, a1; }}")
+
+
+RES_BITS_EXP = 120                 # `_residual_ptx`'s bf16 is the residual * 2^-RES_BITS_EXP
 RES_ASM: tl.constexpr = tl.constexpr(residual_asm())
-RES_BITS_EXP = 120                 # the bf16 above is the residual * 2^-RES_BITS_EXP
+REFINE_FACTOR_BF16X2 = (RES_BITS_EXP - int(math.log2(RESIDUAL_SCALE)) + 127 << 7) * 0x10001   # bf16x2 of 2^RES_BITS_EXP / R
 RES_Q_EXP = 56                     # q * s / R is scaled by 2^RES_Q_EXP before its bf16 rounding
 RES_Q_SCALE: tl.constexpr = tl.constexpr(2.0 ** RES_Q_EXP / RESIDUAL_SCALE)
 RES_UNSCALE: tl.constexpr = tl.constexpr(2.0 ** (RES_BITS_EXP - RES_Q_EXP))   # exact, back to key units
+
+REFINED_ASM_0: tl.constexpr = tl.constexpr(refined_plane_asm(0))
+REFINED_ASM_1: tl.constexpr = tl.constexpr(refined_plane_asm(1))
+REFINED_ASM_2: tl.constexpr = tl.constexpr(refined_plane_asm(2))
+REFINED_ASM_3: tl.constexpr = tl.constexpr(refined_plane_asm(3))
 
 SCAN_STEP = (1.0, 4.0, 16.0, 16.0)   # the scan's code plane j is bf16(128 + SCAN_STEP[j] * code)
 
@@ -253,6 +284,40 @@ def _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST: tl.co
     res = tl.dot((q2.to(tl.float32) * (s2 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r2)), res)
     res = tl.dot((q3.to(tl.float32) * (s3 * RES_Q_SCALE)[None, :]).to(tl.bfloat16), tl.trans(_res_bits(r3)), res)
     return raw + res * RES_UNSCALE
+
+
+@triton.jit
+def _refined_plane(byte, r, j: tl.constexpr):
+    """Refined key plane j [BS, D/4], bf16(code - 1.5 + r / R) (`refined_plane_asm`; GPU only)."""
+    rb = r.to(tl.uint8, bitcast=True)
+    if j == 0:
+        asm: tl.constexpr = REFINED_ASM_0
+    elif j == 1:
+        asm: tl.constexpr = REFINED_ASM_1
+    elif j == 2:
+        asm: tl.constexpr = REFINED_ASM_2
+    else:
+        asm: tl.constexpr = REFINED_ASM_3
+    return tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r,r", args=[byte, rb], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _refined_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, r0, r1, r2, r3, BLOCK_H: tl.constexpr, BS: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """Refined scores q.k [BLOCK_H, BS] of one kept block for the softmax: per plane j, bf16(q_j s_j)
+    dotted with the refined key in channel-scale units, bf16(code - 1.5 + r / R): the precision of a
+    bf16 key cache, one dot per plane. (The threshold keeps the ~fp32-exact form of `_quant_scores`:
+    selection must not move with the rounding.) Interpreter: fp32, as `_quant_scores`."""
+    if UPCAST:
+        raw = _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H, BS, True, UPCAST)
+        return _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
+    raw = tl.zeros([BLOCK_H, BS], tl.float32)
+    raw = tl.dot((q0.to(tl.float32) * s0[None, :]).to(tl.bfloat16), tl.trans(_refined_plane(byte, r0, 0)), raw)
+    raw = tl.dot((q1.to(tl.float32) * s1[None, :]).to(tl.bfloat16), tl.trans(_refined_plane(byte, r1, 1)), raw)
+    raw = tl.dot((q2.to(tl.float32) * s2[None, :]).to(tl.bfloat16), tl.trans(_refined_plane(byte, r2, 2)), raw)
+    raw = tl.dot((q3.to(tl.float32) * s3[None, :]).to(tl.bfloat16), tl.trans(_refined_plane(byte, r3, 3)), raw)
+    return raw
 
 
 @triton.jit
@@ -565,8 +630,7 @@ def _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stri
     byte = _load_codes(CODES, qbase, BS, D4)
     r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
     v = _page_tile(V, page, hk, stride_kb, stride_kt, stride_kh, tl.arange(0, BS) < BS, BS, D, UPCAST)
-    raw = _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H, BS, True, UPCAST)
-    return _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST), v
+    return _refined_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, r0, r1, r2, r3, BLOCK_H, BS, UPCAST), v
 
 
 @triton.jit

@@ -3,7 +3,7 @@ quantize-on-write bit-exact, δ = ∞ equal to dense attention over the refined 
 equal to the reference's, every block visited at 0..257 blocks, tails 0, 1, BS-1, GQA 1/3/4/7,
 head_dim 64 and 128, "auto" rows dense, sparsity counters; the attend pass's split invariants
 (every kept block attended exactly once at any split count, long flag rows); the GPU-only PTX
-(code levels, the scan's offset levels, e4m3 bits) emulated bit for bit; the scan's instruction mix
+(code levels, the scan's offset levels, e4m3 bits, the refined key planes) emulated bit for bit; the scan's instruction mix
 compiled for sm_90 (`tests/scan_sass.py`).
 
 Tolerances: the interpreter computes in fp32 (UPCAST), so outputs match the fp32 reference to
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +33,14 @@ from kernels.ffd import (
     attend_slots,
     ffd_decode,
     plane_asm,
+    refined_plane_asm,
     residual_asm,
     scan_plane_asm,
 )
 from kernels.ffd_quantize import quantize_on_write
 from kernels.ffd_reference import (
     FP8,
+    RESIDUAL_SCALE,
     dense_over_refined_ref,
     ffd_decode_ref,
     quantize_blocks_ref,
@@ -353,6 +356,14 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i for i in range(32))
 
 
+def _bf16_fma(a: int, b: int, c: int) -> int:
+    """bf16 bits of a * b + c on bf16 bits, rounded once to nearest even (finite normal results)."""
+    value = lambda h: struct.unpack(">f", struct.pack(">I", h << 16))[0]
+    mant, exp = math.frexp(value(a) * value(b) + value(c))        # exact in float64 for bf16 operands
+    rounded = math.ldexp(round(mant * 256), exp - 8)               # 8 significant bits, ties to even
+    return struct.unpack(">I", struct.pack(">f", rounded))[0] >> 16
+
+
 def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     """The few b32 PTX instructions our asm strings use, on Python ints ($N operands by name)."""
     regs = dict(inputs)
@@ -379,6 +390,8 @@ def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             r = _prmt(v[0], v[1], v[2])
         elif op == "lop3.b32":
             r = _lop3(*v)
+        elif op == "fma.rn.bf16x2":
+            r = sum(_bf16_fma(*(x >> (16 * i) & 0xFFFF for x in v)) << (16 * i) for i in range(2))
         else:
             raise AssertionError(f"unexpected PTX {op}")
         regs[d] = r & mask
@@ -445,6 +458,21 @@ def test_residual_ptx_is_e4m3_times_2_pow_minus_120():
         ok = ~torch.isnan(want)
         assert torch.equal(got[ok], want[ok])
         assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 3])
+def test_refined_plane_ptx_is_the_refined_key_in_bf16(j):
+    """refined_plane_asm(j) on every code byte and every e4m3 residual byte (NaN excepted): bf16 of
+    (code - 1.5) + r / R, rounded once, code = bits 2j, 2j + 1 of each code byte."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    for n, w in enumerate(_some_words()):
+        res = [(n + 64 * i) % 256 for i in range(4)]            # every residual byte at every position
+        regs = run_ptx(refined_plane_asm(j), {"$2": w, "$3": sum(x << (8 * i) for i, x in enumerate(res))})
+        got = _bf16_of_bits([regs["$0"], regs["$1"]])
+        codes = torch.tensor([(w >> (8 * i + 2 * j)) & 3 for i in range(4)], dtype=torch.float32)
+        want = (codes - 1.5 + values[res] / RESIDUAL_SCALE).to(torch.bfloat16).float()   # exact in fp32
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[ok], want[ok]), (j, hex(w), res, got, want)
 
 
 def test_residual_dot_scaling_keeps_the_product():
