@@ -13,9 +13,10 @@ a max over GP neighbouring rows. Two passes over the pages, nothing written in b
      of its context: 2-bit scan, refined scores if kept), its exact tail (causal), or past it.
      The refined dots, the exact dot and P.V run only when some row of the tile needs them.
 Prefill does BLOCK_M times the arithmetic of a decode per byte read, so the loop branches per
-page (whole-tile decisions), and a kept block's refined scores start from the selection's 2-bit
-scores (adding only the bf16 rounding-error and residual dots), where the decode splits the work
-into a pure scan and an attend over the kept blocks.
+page (whole-tile decisions), and a kept block's refined scores are the selection's 2-bit scores
+(q * s rounded to bf16 once) plus the residual dots, where the decode splits the work into a pure
+scan and an attend over the kept blocks. Softmax scores thus have the precision of bf16 keys, as
+the decode's attend (`kernels/ffd.py`, `_refined_dots`); the threshold is the fp32-exact form.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import triton.language as tl
 from kernels.ffd import (
     LOG2E,
     _code_dots,
-    _code_plane,
     _load_codes,
     _load_residual,
     _load_scales,
@@ -89,27 +89,6 @@ def _page_scores(q, q0, q1, q2, q3, K, KMAP, CODES, SCALES, RES, page, blk, hk, 
         ze = tl.dot(q, tl.trans(k)) * scale_log2
         z = tl.where((blk >= nq)[:, None] & (toks[None, :] <= pos[:, None]), ze, z)
     return z
-
-
-@triton.jit
-def _lo_term(raw, q, s, byte, j: tl.constexpr):
-    """raw + (q * s - bf16(q * s)) . plane j: the bf16 rounding error of one plane's q side."""
-    qs = q.to(tl.float32) * s[None, :]
-    lo = (qs - qs.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(lo, tl.trans(_code_plane(byte, j, False)), raw)
-
-
-@triton.jit
-def _refine_selection(raw, q0, q1, q2, q3, s0, s1, s2, s3, byte, UPCAST: tl.constexpr):
-    """The selection's 2-bit scores (q * s rounded to bf16 once) plus that rounding's error terms:
-    `_code_dots(..., REFINE=True)` up to the order of the fp32 sums, without redoing its hi dots.
-    The interpreter's selection is already fp32: nothing to add."""
-    if UPCAST:
-        return raw
-    raw = _lo_term(raw, q0, s0, byte, 0)
-    raw = _lo_term(raw, q1, s1, byte, 1)
-    raw = _lo_term(raw, q2, s2, byte, 2)
-    return _lo_term(raw, q3, s3, byte, 3)
 
 
 @triton.jit
@@ -195,8 +174,7 @@ def _ffd_prefill_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
                 keep = ((hit > 0) | forced) & quant
                 if tl.max(keep.to(tl.int32), 0) > 0:
                     r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
-                    raw = _refine_selection(sel, q0, q1, q2, q3, s0, s1, s2, s3, byte, UPCAST)
-                    raw = _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
+                    raw = _res_dots(sel, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
                     z = tl.where(keep[:, None], raw * scale_log2, z)
             # `_page_scores`' exact part, inline and after the quantized branch: computed first through
             # `_page_scores` it ran ~10 % slower on the H200 (longer-lived scores)
