@@ -63,6 +63,7 @@ import triton.language as tl
 from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
 from kernels.flash_decoding import rows_per_tile
 from kernels.kv_store import key_page
+from kernels.occupancy import resident_ctas
 from kernels.vendor import interpreting, num_compute_units
 
 LOG2E = 1.4426950408889634
@@ -753,7 +754,6 @@ def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constex
 
 SCAN_PROGRAMS_PER_SM = 8     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
-ATTEND_RESIDENT_PER_SM = 2   # attend programs an SM runs at once at D = 128 (255 registers, 113 KB shared on sm_90)
 MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
 # Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
 # 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
@@ -772,8 +772,8 @@ MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits
 def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 8) -> int:
     """About `per_sm` programs per SM at this batch size, a power of two <= 128 (B only: graph-safe).
 
-    The attend grid uses ATTEND_PROGRAMS_PER_SM: several waves of programs (about two fit an SM at
-    once) spread one long sequence of a skewed batch over the whole GPU, and a sequence's attend
+    The attend grid uses ATTEND_PROGRAMS_PER_SM: several waves of programs (`attend_resident_per_sm`
+    fit an SM at once) spread one long sequence of a skewed batch over the whole GPU, and a sequence's attend
     splits get at least MIN_PER_SPLIT kept blocks each, the rest exit at once. The scan grid uses
     SCAN_PROGRAMS_PER_SM: its programs walk their blocks in a grid-stride loop, so any count covers
     every block."""
@@ -800,6 +800,17 @@ def attend_stages(block_size: int, head_dim: int) -> int:
     memory (BS * D <= 128 * 128: 113 KB each on sm_90), else 2. H200, B = 8, 128K: 265.0 against
     274.0 us; B = 1, 256K: 86.9 against 89.3."""
     return 3 if block_size * head_dim <= 128 * 128 else 2
+
+
+def attend_resident_per_sm(args: tuple, kwargs: dict, q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Attend programs one SM runs at once, from the compiled kernel's registers and shared memory
+    (`kernels.occupancy`, once per specialisation). Compiled for sm_90: 2 at the default pages (255
+    registers, 113 KB of shared memory), 3 at head_dim 64, 1 at 256-token pages. 2 in the
+    interpreter, which has no SMs."""
+    if q.device.type != "cuda":
+        return 2
+    key = ("ffd_attend", q.dtype, k_cache.dtype, tuple(sorted(kwargs.items())))
+    return resident_ctas(_attend_kernel, key, (*args, 0), kwargs, q.device)
 
 
 def check_ffd_inputs(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -845,9 +856,6 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     group = num_heads // kv_heads
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
-    if resident_programs is None:
-        resident_programs = 0 if num_splits else ATTEND_RESIDENT_PER_SM * num_compute_units(q.device) - batch * kv_heads
-    resident = max(0, int(resident_programs))
     max_blocks = max(1, block_tables.shape[1])
     per_max = attend_slots(max_blocks, splits, min_per)
     flag_chunk = min(FLAG_CHUNK, triton.next_power_of_2(max_blocks))
@@ -881,13 +889,18 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         BPP=SCAN_BLOCKS_PER_STEP, NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
         WRITE_MASK=masks is not None, TOKENS_AS_M=tokens_as_m,
         SCAN_N=triton.next_power_of_2(group) if tokens_as_m else block_h, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
-    _attend_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc, p_ml,
-        stats if stats is not None else p_ml, kept_total, *q_strides, *kv_strides, block_tables.stride(0), max_blocks,
-        scale * LOG2E, params.min_ffd_len, resident, NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max,
-        FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
-        HAS_KMAP=key_page_map is not None,
-        num_warps=4 if dim <= 128 else 8, num_stages=attend_stages(bs, dim), **common)
+    attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
+                   p_ml, stats if stats is not None else p_ml, kept_total, *q_strides, *kv_strides,
+                   block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)
+    attend_consts = dict(NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max, FLAG_CHUNK=flag_chunk,
+                         ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
+                         HAS_KMAP=key_page_map is not None, **common)
+    attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim)}
+    if resident_programs is None and not num_splits:
+        resident_programs = attend_resident_per_sm(attend_args, {**attend_consts, **attend_launch}, q, k_cache) \
+            * num_compute_units(dev) - batch * kv_heads
+    _attend_kernel[(batch, kv_heads, splits)](*attend_args, max(0, int(resident_programs or 0)),
+                                              **attend_consts, **attend_launch)
     dc = min(dim, max(16, MERGE_TILE // splits))
     _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, out.stride(0), out.stride(1),
                                                  NUM_SPLITS=splits, NUM_HEADS=num_heads, D=dim, DC=dc, num_warps=4)

@@ -278,6 +278,25 @@ def test_batch_balanced_shares_attend_every_kept_block_once(resident, num_splits
     assert ref_stats["ffd_blocks_kept"] < ref_stats["ffd_blocks_total"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="occupancy of a compiled kernel: GPU only")
+def test_attend_residency_is_read_from_the_compiled_kernel():
+    """The one-round share rule plans for the attend programs an SM really holds: read from the
+    compiled kernel, so head_dim 64 (fewer registers, less shared memory) holds at least as many as
+    128; on sm_90, 2 and 3 (registers and shared memory per program, sm_90 compile and Nsight)."""
+    from kernels import occupancy
+    found = {}
+    for dim, group in ((128, 4), (64, 3)):
+        case = to_dev(paged_case([5 * 128 + 7, 3 * 128], bs=128, kv_heads=2, group=group, dim=dim, seed=dim,
+                                 dtype=torch.bfloat16))
+        run(case, params(bs=128, delta_log2=3.0, sink=4, window=128))
+        found[dim] = [v for key, v in occupancy._CACHE.items()
+                      if "ffd_attend" in key and torch.bfloat16 in key and {("D", dim), ("GROUP", group)} <= set(key[-1])]
+    assert found[128] and found[64], found
+    assert min(found[64]) >= max(found[128]) >= 1, found
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert found == {128: [2], 64: [3]}, found
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 4])
 def test_every_kept_block_attended_once_at_any_split_count(num_splits):
     """δ = ∞ keeps every block: one split holds all 129 of a sequence; 3 (-> 4) and 4 splits give
