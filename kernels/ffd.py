@@ -49,8 +49,8 @@ q.residual with q*scale/R rounded to bf16 (~fp32-accurate, so selection matches 
 kept block's softmax scores are bf16(q*scale) . bf16(code - 1.5 + r/R) per plane: the refined key
 rounded to bf16 (at most 2^-8 of the channel scale, a quarter of the stored e4m3 residual's own
 rounding; the precision of a bf16 KV cache) and one dot per plane instead of three (H200, B = 8,
-128K: attend 123.4 -> 104.4 us). P.V runs in V's dtype, fp32 accumulate. Under the interpreter (UPCAST) all of it
-is fp32 arithmetic.
+128K: attend 123.4 -> 104.4 us). P.V runs in V's dtype, fp32 accumulate. Under the interpreter
+(UPCAST) all of it is fp32 arithmetic.
 """
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def refined_plane_asm(j: int) -> str:
 
 RES_BITS_EXP = 120                 # `_residual_ptx`'s bf16 is the residual * 2^-RES_BITS_EXP
 RES_ASM: tl.constexpr = tl.constexpr(residual_asm())
-REFINE_FACTOR_BF16X2 = (RES_BITS_EXP - int(math.log2(RESIDUAL_SCALE)) + 127 << 7) * 0x10001   # bf16x2 of 2^RES_BITS_EXP / R
+# bf16x2 of 2^RES_BITS_EXP / R: a biased exponent in bits 7-14 of each half, mantissa 0
+REFINE_FACTOR_BF16X2 = ((RES_BITS_EXP - int(math.log2(RESIDUAL_SCALE)) + 127) << 7) * 0x10001
 RES_Q_EXP = 56                     # q * s / R is scaled by 2^RES_Q_EXP before its bf16 rounding
 RES_Q_SCALE: tl.constexpr = tl.constexpr(2.0 ** RES_Q_EXP / RESIDUAL_SCALE)
 RES_UNSCALE: tl.constexpr = tl.constexpr(2.0 ** (RES_BITS_EXP - RES_Q_EXP))   # exact, back to key units
