@@ -197,6 +197,22 @@ def generate(model_dir, prompts: list[list[int]], n, fd: dict) -> list[list[int]
     return [o.token_ids for o in outs]
 
 
+# Free-running controls against the float32 dense engine: the same dense attention with the whole
+# model in bf16, the precision most deployments serve in (no pruning, no quantized keys).
+CONTROLS = {"dense_bf16": {"kernel": "flash", "dtype": "bfloat16"}}
+
+
+def generated_agreement(starts: list[int], dense: list[list[int]], other: list[list[int]]) -> dict:
+    """Position-wise agreement of two greedy continuations per prompt, and their common prefixes."""
+    per_prompt = []
+    for start, a_ids, b_ids in zip(starts, dense, other):
+        same = [a == b for a, b in zip(a_ids, b_ids)]
+        prefix = next((i for i, s in enumerate(same) if not s), len(same))
+        per_prompt.append({"start": start, "agreement": sum(same) / len(same), "common_prefix": prefix})
+    return {"agreement": sum(r["agreement"] for r in per_prompt) / len(per_prompt),
+            "common_prefix": min(r["common_prefix"] for r in per_prompt), "per_prompt": per_prompt}
+
+
 def prompt_starts(total: int, length: int, count: int) -> list[int]:
     """Token offsets of `count` prompt windows of `length` tokens, evenly spread over the text (0 first)."""
     span = max(0, total - length)
@@ -239,6 +255,8 @@ def main() -> None:
     ap.add_argument("--generate-contexts", type=int, nargs="*", default=None)
     ap.add_argument("--generate-prompts", type=int, default=1,
                     help="prompt windows spread over the text (1: its beginning only)")
+    ap.add_argument("--generate-controls", nargs="*", default=[], choices=sorted(CONTROLS),
+                    help="also generate with these engines (no FFD) and compare with float32 dense")
     ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
     ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
     ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
@@ -295,21 +313,14 @@ def main() -> None:
             prompts = [ids_all[a:a + length - args.generate] for a in starts]
             dense_gen = generate(model_dir, prompts, args.generate, {"kernel": "flash"})
             entry["generate"] = {}
-            for delta in args.deltas:
-                gens = generate(model_dir, prompts, args.generate,
-                                {"kernel": "ffd", "delta": delta, "ffd_block_size": BS})
-                per_prompt = []
-                for start, dense_ids, ffd_ids in zip(starts, dense_gen, gens):
-                    same = [a == b for a, b in zip(dense_ids, ffd_ids)]
-                    prefix = next((i for i, s in enumerate(same) if not s), len(same))
-                    per_prompt.append({"start": start, "agreement": sum(same) / len(same), "common_prefix": prefix})
-                agreement = sum(r["agreement"] for r in per_prompt) / len(per_prompt)
-                entry["generate"][f"{delta:g}"] = {"agreement": agreement,
-                                                   "common_prefix": min(r["common_prefix"] for r in per_prompt),
-                                                   "per_prompt": per_prompt}
-                print(f"L={length} δ={delta:g}: generated agreement {agreement:.3f} (mean of {len(per_prompt)} "
-                      f"prompts), per prompt {[round(r['agreement'], 3) for r in per_prompt]}, common prefixes "
-                      f"{[r['common_prefix'] for r in per_prompt]}", flush=True)
+            variants = {f"{delta:g}": {"kernel": "ffd", "delta": delta, "ffd_block_size": BS} for delta in args.deltas}
+            variants.update({name: CONTROLS[name] for name in args.generate_controls})
+            for name, fd in variants.items():
+                gens = generate(model_dir, prompts, args.generate, fd)
+                entry["generate"][name] = row = generated_agreement(starts, dense_gen, gens)
+                print(f"L={length} {name}: generated agreement {row['agreement']:.3f} (mean of {len(starts)} "
+                      f"prompts), per prompt {[round(r['agreement'], 3) for r in row['per_prompt']]}, common "
+                      f"prefixes {[r['common_prefix'] for r in row['per_prompt']]}", flush=True)
         report["contexts"][str(length)] = entry
         out_path.write_text(json.dumps(report, indent=1))
     if args.passkey:
