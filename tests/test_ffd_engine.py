@@ -141,3 +141,13 @@ def test_quality_harness_runs_dense_and_ffd_over_one_cache(tiny_dir):
     assert kv.shape[2] == 3                                   # 300 tokens in pages of 128
     err = float((ffd - dense).norm() / dense.norm())
     assert 0 < err < 5e-2, err
+
+
+def test_quality_harness_scores_free_running_agreement_per_position():
+    """bench/ffd_quality.py's free-running score: position-wise agreement per prompt, the common
+    prefix (where the two continuations part), and their mean / minimum over prompts."""
+    from bench.ffd_quality import generated_agreement
+    got = generated_agreement([0, 7], [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert got["per_prompt"] == [{"start": 0, "agreement": 0.75, "common_prefix": 2},
+                                 {"start": 7, "agreement": 1.0, "common_prefix": 4}]
+    assert got["agreement"] == 0.875 and got["common_prefix"] == 2
