@@ -810,7 +810,7 @@ def attend_resident_per_sm(args: tuple, kwargs: dict, q: torch.Tensor, k_cache: 
     interpreter, which has no SMs."""
     if q.device.type != "cuda":
         return 2
-    key = ("ffd_attend", q.dtype, k_cache.dtype, tuple(sorted(kwargs.items())))
+    key = ("ffd_attend", q.dtype, k_cache.dtype, tuple(kwargs.items()))   # built in a fixed order
     return resident_ctas(_attend_kernel, key, (*args, 0), kwargs, q.device)
 
 
