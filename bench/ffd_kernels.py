@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import Timer, copy_bandwidth, time_sdpa  # noqa: E402
+from kernels.vendor import programmatic_launch  # noqa: E402
 from kernels.ffd_reference import FFDParams, QuantizedPages, dequantize_blocks_ref, ffd_decode_ref, quantize_blocks_ref  # noqa: E402
 
 BS = 128
@@ -141,9 +142,12 @@ class Case:
 
 
 def ffd(case, p, **kw):
-    from kernels.ffd import ffd_decode
+    """The FFD decode as the engine calls it: one counter buffer kept across calls (no memset per call)."""
+    from kernels.ffd import ffd_decode, ffd_sync_buffer
+    if getattr(case, "sync", None) is None:
+        case.sync = ffd_sync_buffer(len(case.lens), case.hkv, case.q.device)
     return ffd_decode(case.q, case.k, case.v, case.qp.codes, case.qp.scales, case.qp.residual, case.tables,
-                      case.seq, scale=case.dim ** -0.5, params=p, **kw)
+                      case.seq, scale=case.dim ** -0.5, params=p, sync=case.sync, **kw)
 
 
 def flash(case):
@@ -244,6 +248,8 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
     s = sparsity(case, p)
     row = {"data": label, "B": len(case.lens), "L": case.lens[0], "sparsity": s}
     row["ffd_us"] = timer(lambda: ffd(case, p))
+    if programmatic_launch(case.q.device):   # side by side: the attend and merge in plain stream order
+        row["ffd_plain_launch_us"] = timer(lambda: ffd(case, p, pdl=False))
     row["flash_us"] = timer(lambda: flash(case))
     if with_sdpa:
         row["sdpa_us"], row["sdpa_backend"] = sdpa_on_case(timer, case)

@@ -95,6 +95,7 @@ class FFDAttentionBackend(AttentionBackend):
     compact: bool = False             # exact K only for pages being filled (kernel = "ffd"), see engine/ffd_cache.py
     pool_pages: int = 0               # K pool size when compact (size_exact_pool)
     exact: ExactKeyPages | None = None
+    sync: torch.Tensor | None = None  # the decode's counters, zero between calls (kernels.ffd.ffd_sync_buffer)
 
     @property
     def page_size(self) -> int:
@@ -206,12 +207,21 @@ class FFDAttentionBackend(AttentionBackend):
             stats = torch.zeros(2, dtype=torch.int64, device=q.device)
             out = ffd_decode(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, block_tables,
                              seq_lens, scale=scale, params=self.params, num_splits=self.num_splits or None,
-                             stats=stats, key_page_map=self.key_page_map)
+                             stats=stats, key_page_map=self.key_page_map,
+                             sync=self._decode_sync(q.shape[0], k_cache.shape[2], q.device))
             counters["ffd_blocks_total"] = counters.get("ffd_blocks_total", 0.0) + stats[0]
             counters["ffd_blocks_kept"] = counters.get("ffd_blocks_kept", 0.0) + stats[1]
             return out
         return ffd_decode_ref(q, k_cache, v_cache, pages, block_tables, seq_lens, scale=scale,
                               params=self.params, stats=counters, key_page_map=self.key_page_map)
+
+    def _decode_sync(self, batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+        """One counter buffer for every layer's decode (they run in stream order), grown with the batch;
+        every call leaves it zero, so no memset per call."""
+        from kernels.ffd import ffd_sync_buffer, sync_entries
+        if self.sync is None or self.sync.device != device or self.sync.numel() < sync_entries(batch, kv_heads):
+            self.sync = ffd_sync_buffer(max(batch, 64), kv_heads, device)
+        return self.sync
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
         assert self.params is not None

@@ -3,23 +3,28 @@ kept blocks, exact tail) with a split-KV log-sum-exp merge; quantize-on-write is
 `kernels/ffd_quantize.py`. The rule and the key format are those of `kernels/ffd_reference.py` (its
 docstring is the specification); this file only makes it fast.
 
-Decode, four launches, all with grids fixed by the batch and the tensor shapes and the lengths read
+Decode, three launches, all with grids fixed by the batch and the tensor shapes and the lengths read
 on the device (graph-safe, no host sync, no data-sized allocation, deterministic):
-  1. `_pseudo_max_kernel` (sequence, KV head, part): each part is one sink block, one window block
-     or the exact tail; it writes its row max over the sink / local-window tokens (refined keys in
-     full blocks, exact keys in the tail). The threshold is th = max over parts - δ (log2 units).
-     Program (0, 0, 0) also zeroes the batch's kept-block counter.
-  2. `_scan_kernel` (sequence, KV head, program): a pure stream over the 2-bit codes (36 B per token
-     and head at D = 128). Each step takes BPP full blocks at once (page ids as one vector, then
-     all their codes and scales, then batched 3-D dots) and nothing in the loop branches on data,
-     so Triton pipelines it. A block's scores are four [BS x D/4] x [D/4 x G] dots, one per code
-     plane (`(byte >> 2j) & 3` is channel range j, no shuffles): the tokens are the MMA's M and
-     the G query heads of the KV head its N, which the MMA pads to 8 (as rows, to 16: twice the
-     tensor-core work). A block is kept when any row's
-     block max reaches its threshold, or it overlaps the sinks or the window; the scan stores the
-     kept block's page id (-1 if dropped), so the next pass reads no block table, and adds its
-     kept blocks to the batch's counter (one atomic per program).
-  3. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
+  1. `_scan_kernel` (sequence, KV head, program) does the threshold and the 2-bit scan in one launch.
+     Its lowest program ids are the pseudo-max (`_pseudo_max_part`): each takes 32 tokens of one
+     sink block, one window block or the exact tail and writes its row max over the sink /
+     local-window tokens (refined keys in full blocks, exact keys in the tail); the threshold is
+     th = max over them - δ (log2 units). The other programs are a pure stream over the 2-bit codes
+     (36 B per token and head at D = 128). Each step takes BPP full blocks at once (page ids as one
+     vector, then all their codes and scales, then batched 3-D dots) and nothing in the loop
+     branches on data, so Triton pipelines it. A block's scores are four [BS x D/4] x [D/4 x G]
+     dots, one per code plane (`(byte >> 2j) & 3` is channel range j, no shuffles): the tokens are
+     the MMA's M and the G query heads of the KV head its N, which the MMA pads to 8 (as rows, to
+     16: twice the tensor-core work). The loop stores each block's per-row max, which needs no
+     threshold; only after it does a program wait for its row's pseudo-max programs (a counter:
+     they are dispatched first and their few tokens take far less time than the loop, so the wait
+     is normally over before it starts) and turn the stored maxes into keep decisions: a block is
+     kept when any row's block max reaches its threshold, or it overlaps the sinks or the window.
+     It stores the kept block's page id (-1 if dropped), so the next pass reads no block table,
+     and adds its kept blocks to the batch's counter (one atomic per program). One launch instead
+     of two takes the pseudo-max's ~5 us chain off the critical path (H200, B = 1, 128K: 54.0 ->
+     46.8 us).
+  2. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
      takes those of ranks [split * per, (split + 1) * per) (ranks by a prefix sum, so the work is
      balanced whatever the sparsity pattern), where per also spreads the batch's kept blocks over
      about the programs the GPU holds at once (one round, not several rounds of short programs that
@@ -27,8 +32,13 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
      loops over them with no data-dependent branch: refined scores, V, online softmax in base 2,
      all loads of a block issued before its math. The last split, the one most often idle, also
      attends the exact tail (the tokens past the last full block).
-  4. `_merge_kernel` (sequence, query head, channel chunk): log-sum-exp merge of all splits; an
+  3. `_merge_kernel` (sequence, query head, channel chunk): log-sum-exp merge of all splits; an
      empty split wrote m = -inf and weighs 0.
+On sm_90+ the attend and the merge are launched as programmatic dependents: they start (q loads)
+while the previous launch ends and wait for its results (`griddepcontrol.wait`), about 2 us per
+decode at B = 1. The scan, the first launch, is not (when the pseudo-max was a launch of its own,
+a scan launched early beside it lost 4-10 us at B = 1, 128K-256K). The launches' counters live in a small int32 buffer
+that every call leaves zero (`ffd_sync_buffer`).
 Scan and attend are separate passes because a fused loop branches on every block's decision and
 chains several memory round trips per block, which neither pipelining nor the few resident
 programs can hide. "auto": a sequence shorter than `min_ffd_len` is skipped by the scan and the
@@ -59,12 +69,13 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
 from kernels.flash_decoding import rows_per_tile
 from kernels.kv_store import key_page
 from kernels.occupancy import resident_ctas
-from kernels.vendor import interpreting, num_compute_units
+from kernels.vendor import interpreting, num_compute_units, programmatic_launch
 
 LOG2E = 1.4426950408889634
 INV_RES_SCALE: tl.constexpr = tl.constexpr(1.0 / RESIDUAL_SCALE)   # residual units -> channel scales
@@ -323,15 +334,17 @@ def _refined_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, r0, r1, r2, r3, BLOCK_H:
 
 
 @triton.jit
-def _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk,
-                  NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                  D4: tl.constexpr, REFINE: tl.constexpr, UPCAST: tl.constexpr):
-    """Raw scores q.k [BLOCK_H, BS] of one full block: 2-bit keys, or refined keys if REFINE."""
+def _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, sl,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, SLICES: tl.constexpr,
+                  D: tl.constexpr, D4: tl.constexpr, REFINE: tl.constexpr, UPCAST: tl.constexpr):
+    """Raw scores q.k [BLOCK_H, BS] of tokens [sl * BS, (sl + 1) * BS) of one full block of SLICES * BS
+    tokens (SLICES = 1: the whole block): 2-bit keys, or refined keys if REFINE."""
     qbase = page.to(tl.int64) * NUM_KV_HEADS + hk
     s0, s1, s2, s3 = _load_scales(SCALES, qbase, D, D4)
-    byte = _load_codes(CODES, qbase, BS, D4)
+    rows = qbase * SLICES + sl        # a (page, head)'s tokens are contiguous: the slice is a page of BS
+    byte = _load_codes(CODES, rows, BS, D4)
     if REFINE:
-        r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
+        r0, r1, r2, r3 = _load_residual(RES, rows, BS, D, D4)
     raw = _code_dots(q0, q1, q2, q3, s0, s1, s2, s3, byte, BLOCK_H, BS, REFINE, UPCAST)
     if REFINE:
         raw = _res_dots(raw, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
@@ -342,7 +355,12 @@ def _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk,
 def _page_tile(X, page, hk, stride_kb, stride_kt, stride_kh, valid, BS: tl.constexpr, D: tl.constexpr,
                UPCAST: tl.constexpr):
     """The [BS, D] K or V tile of KV head hk in `page`; rows outside `valid` read as 0."""
-    toks = tl.arange(0, BS)
+    return _token_rows(X, page, hk, tl.arange(0, BS), stride_kb, stride_kt, stride_kh, valid, D, UPCAST)
+
+
+@triton.jit
+def _token_rows(X, page, hk, toks, stride_kb, stride_kt, stride_kh, valid, D: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `toks` [T, D] of KV head hk's K or V in `page`; rows outside `valid` read as 0."""
     x = tl.load(X + page * stride_kb + toks[:, None].to(tl.int64) * stride_kt + hk * stride_kh
                 + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
     if UPCAST:
@@ -405,40 +423,58 @@ def _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: t
 
 
 @triton.jit
+def _release_next(PDL: tl.constexpr):
+    """Let the next launch of the decode start its prologue now (programmatic dependent launch; it
+    waits in `_wait_previous` for this launch's results)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _wait_previous(PDL: tl.constexpr):
+    """Block until the previous launch has finished and its writes are visible: every read of the
+    previous launches' outputs comes after this."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
     """Full (quantized) blocks the FFD rule uses; 0 for an "auto" row below the crossover (dense)."""
     return tl.where(L < min_ffd_len, 0, L // BS)
 
 
-# ----- decode 1: threshold -----------------------------------------------------------------------
+# ----- decode 1a: threshold (programs of the scan launch) -----------------------------------------
 
 @triton.jit
-def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, KEPT_TOTAL,
-                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                       scale_log2, sink, window, min_ffd_len,
-                       SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                       NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                       D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr):
-    """Partial pseudo-max: part p < SINK_PARTS is sink block p, then the window's blocks, the last
-    part the exact tail. Each writes the row max over its tokens in the sinks or the window.
-    Program (0, 0, 0) zeroes KEPT_TOTAL, which the scan (the next launch) adds to."""
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    part = tl.program_id(2)
-    tl.store(KEPT_TOTAL, 0, mask=(b == 0) & (hk == 0) & (part == 0))
-    L = tl.load(SEQ + b)
+def _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
+                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                     scale_log2, sink, window, min_ffd_len,
+                     SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                     D4: tl.constexpr, BS: tl.constexpr, SLICE: tl.constexpr, UPCAST: tl.constexpr,
+                     HAS_KMAP: tl.constexpr):
+    """Slice z % SLICES (SLICE tokens) of part z // SLICES of the pseudo-max of (sequence b, KV head
+    hk): part p < SINK_PARTS is sink block p, then the window's blocks, the last part the exact tail.
+    It writes the row max over its tokens in the sinks or the window to PM[b, head, z]. Slices keep
+    each program's tiles small: these programs share the scan's one-warp launch."""
+    SLICES: tl.constexpr = BS // SLICE
+    part = z // SLICES
+    sl = z % SLICES
     nq = L // BS
     rows = tl.arange(0, BLOCK_H)
-    toks = tl.arange(0, BS)
+    toks = sl * SLICE + tl.arange(0, SLICE)
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
     if L >= min_ffd_len:
         q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
         if part == NUM_PARTS - 1:
-            raw, _, valid = _exact_tile(q, K, V, KMAP, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
-                                        UPCAST, HAS_KMAP)
+            page = tl.load(bt_row + nq, mask=nq * BS < L, other=0).to(tl.int64)   # the tail may be empty
+            valid = nq * BS + toks < L
+            k = _token_rows(K, key_page(KMAP, page, HAS_KMAP), hk, toks, stride_kb, stride_kt, stride_kh, valid, D,
+                            UPCAST)
             ok = valid & _in_window(nq * BS + toks, L, sink, window)
-            best = tl.max(tl.where(ok[None, :], raw * scale_log2, float("-inf")), 1)
+            best = tl.max(tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf")), 1)
         else:
             sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
             first_window = tl.maximum(tl.maximum(L - window, 0) // BS, sink_blocks)
@@ -446,11 +482,21 @@ def _pseudo_max_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, KEPT_TOTA
             useful = tl.where(part < SINK_PARTS, blk < sink_blocks, blk < nq)
             if useful:
                 page = tl.load(bt_row + blk)
-                z = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, BLOCK_H, BS, D, D4,
-                                  True, UPCAST) * scale_log2
-                best = tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], z, float("-inf")), 1)
+                zs = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, sl, NUM_KV_HEADS, BLOCK_H, SLICE,
+                                   SLICES, D, D4, True, UPCAST) * scale_log2
+                best = tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], zs, float("-inf")), 1)
     heads = hk * GROUP + rows
-    tl.store(PM + ((b.to(tl.int64) * NUM_HEADS + heads) * NUM_PARTS + part), best, mask=rows < GROUP)
+    tl.store(PM + ((b.to(tl.int64) * NUM_HEADS + heads) * (NUM_PARTS * SLICES) + z), best, mask=rows < GROUP)
+
+
+@triton.jit
+def _wait_for(counter, target):
+    """Spin until *counter >= target (acquire at GPU scope), then let the whole program read what the
+    counting programs wrote before their release."""
+    seen = tl.atomic_add(counter, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire")
+    tl.debug_barrier()
 
 
 # ----- decode 2: 2-bit scan -> keep flags ----------------------------------------------------
@@ -506,34 +552,33 @@ def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.const
 
 
 @triton.jit
-def _scan_hits(qt0, qt1, qt2, qt3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
-               NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-               D4: tl.constexpr, UPCAST: tl.constexpr):
-    """(1 where any row's 2-bit block max reaches its threshold, page ids) of the BPP blocks `blks`.
+def _scan_block_max(qt0, qt1, qt2, qt3, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                    D4: tl.constexpr, UPCAST: tl.constexpr):
+    """Each row's 2-bit block max (log2 units) [BPP, SCAN_N] of the BPP blocks `blks`.
 
     q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
     transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
     and the codes are the A operand, which the compiler expands in registers. The max over tokens is
     taken before the (monotone) scaling: same result, 1/BS of the work."""
-    pages, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
+    _, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                             # q.k over [BPP, tokens, rows]
     offset = tl.zeros([BPP, D4, SCAN_N], tl.float32)
     raw, offset = _scan_term(raw, offset, byte, qt0, s0, 0, SCAN_F0, UPCAST)
     raw, offset = _scan_term(raw, offset, byte, qt1, s1, 1, SCAN_F1, UPCAST)
     raw, offset = _scan_term(raw, offset, byte, qt2, s2, 2, SCAN_F2, UPCAST)
     raw, offset = _scan_term(raw, offset, byte, qt3, s3, 3, SCAN_F3, UPCAST)
-    bmax = (tl.max(raw, 1) - tl.sum(offset, 1)) * scale_log2                  # [BPP, SCAN_N]
-    return tl.max(tl.where(bmax >= th[None, :], 1, 0), 1), pages
+    return (tl.max(raw, 1) - tl.sum(offset, 1)) * scale_log2
 
 
 @triton.jit
-def _scan_hits_rows(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
-                    NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                    D4: tl.constexpr, UPCAST: tl.constexpr):
-    """`_scan_hits` with the query rows as the dots' M (padded to 16) and the exact levels: for
+def _scan_block_max_rows(q0, q1, q2, q3, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+                         NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         D4: tl.constexpr, UPCAST: tl.constexpr):
+    """`_scan_block_max` with the query rows as the dots' M (padded to 16) and the exact levels: for
     head_dim 64, where a plane is only 16 channels deep and the transposed form's codes would go
     through shared memory as bf16 (twice the instructions, measured)."""
-    pages, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
+    _, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BLOCK_H, BS], tl.float32)                            # q.k over [BPP, rows, tokens]
     raw = _plane_term(raw, q0.to(tl.float32)[None, :, :] * s0[:, None, :],
                       tl.permute(_code_plane(byte, 0, UPCAST), (0, 2, 1)), False, UPCAST)
@@ -543,63 +588,112 @@ def _scan_hits_rows(q0, q1, q2, q3, th, CODES, SCALES, bt_row, blks, ok, hk, sca
                       tl.permute(_code_plane(byte, 2, UPCAST), (0, 2, 1)), False, UPCAST)
     raw = _plane_term(raw, q3.to(tl.float32)[None, :, :] * s3[:, None, :],
                       tl.permute(_code_plane(byte, 3, UPCAST), (0, 2, 1)), False, UPCAST)
-    bmax = tl.max(raw, 2) * scale_log2                                         # [BPP, BLOCK_H]
-    return tl.max(tl.where(bmax >= th[None, :], 1, 0), 1), pages
+    return tl.max(raw, 2) * scale_log2
 
 
 @triton.jit
-def _scan_kernel(Q, CODES, SCALES, BT, SEQ, PM, FLAGS, MASK, KEPT_TOTAL,
-                 stride_qb, stride_qh, stride_bt, stride_mask, max_blocks,
+def _keep_decisions(bmax_row, th, bt_row, flag_row, mask_row, prog, programs, steps, nq, sink_blocks, forced_hi,
+                    BPP: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, CHUNK: tl.constexpr,
+                    WRITE_MASK: tl.constexpr):
+    """Keep decisions of a scan program's blocks (steps prog, prog + programs, ...) from their stored
+    block maxes, CHUNK steps per vector: the flag is the page id of a kept block, -1 of a dropped one
+    (so the attend pass reads no block table). Returns the kept count."""
+    k = tl.arange(0, CHUNK * BPP)                       # (step, block of the step), flattened
+    cols = tl.arange(0, SCAN_N)
+    n_kept = nq * 0
+    for c in range(0, tl.cdiv(steps - prog, programs), CHUNK):
+        step = prog + (c + k // BPP) * programs
+        blks = step * BPP + k % BPP
+        ok = (step < steps) & (blks < nq)
+        bmax = tl.load(bmax_row + blks[:, None] * SCAN_N + cols[None, :], mask=ok[:, None], other=float("-inf"))
+        hit = tl.max(tl.where(bmax >= th[None, :], 1, 0), 1)
+        keep = (hit > 0) | (blks < sink_blocks) | ((blks + 1) * BS > forced_hi)
+        pages = tl.load(bt_row + blks, mask=ok, other=0)
+        tl.store(flag_row + blks, tl.where(keep, pages, -1).to(tl.int32), mask=ok)
+        n_kept += tl.sum((keep & ok).to(tl.int32), 0)
+        if WRITE_MASK:   # test output: the keep decision of every full block
+            tl.store(mask_row + blks, keep.to(tl.int8), mask=ok)
+    return n_kept
+
+
+@triton.jit
+def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MASK, SYNC,
+                 stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_mask, max_blocks,
                  scale_log2, delta_log2, sink, window, min_ffd_len,
-                 BPP: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
-                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                 D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, WRITE_MASK: tl.constexpr,
-                 SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr):
-    """Keep decision of every full block, stored as its page id or -1 (int32): program p takes the
-    BPP-block steps p, p + P, p + 2P, ... (P programs per sequence and KV head); KEPT_TOTAL += its
-    kept blocks."""
+                 BPP: tl.constexpr, SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                 D: tl.constexpr, D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr,
+                 WRITE_MASK: tl.constexpr, SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr,
+                 PM_SLICE: tl.constexpr, DECIDE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Threshold and keep decisions of (sequence, KV head) in one launch. Programs z < NUM_PARTS *
+    SLICES are the pseudo-max part slices (`_pseudo_max_part`); each then counts itself in the row's
+    READY counter.
+    Program p = z - NUM_PARTS of the scan takes the BPP-block steps p, p + P, ... (P scan programs per
+    row) and stores each block's per-row 2-bit max in BMAX, which needs no threshold; only then does it
+    wait for READY = NUM_PARTS * SLICES (the parts are the row's lowest program ids, so they run first; their
+    few blocks take far less time than a scan program's loop), take th = max over parts - δ and turn
+    its stored maxes into keep flags. SYNC (int32, zero between calls): [kept-block total, READY per
+    row, DONE per row]; the row's last scan program to finish zeroes its READY and DONE, the merge
+    zeroes the total."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
-    prog = tl.program_id(2)
+    z = tl.program_id(2)
+    PM_PROGRAMS: tl.constexpr = NUM_PARTS * (BS // PM_SLICE)
+    _release_next(PDL)
     L = tl.load(SEQ + b)
-    nq = _quantized_len(L, min_ffd_len, BS)
-    steps = tl.cdiv(nq, BPP)
-    if prog < steps:
-        rows = tl.arange(0, SCAN_N)
-        row_ok = rows < GROUP
-        heads = hk * GROUP + rows
-        if TOKENS_AS_M:
-            qa0 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 0, GROUP, SCAN_N, D4)
-            qa1 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 1, GROUP, SCAN_N, D4)
-            qa2 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 2, GROUP, SCAN_N, D4)
-            qa3 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 3, GROUP, SCAN_N, D4)
-        else:
-            qa0, qa1, qa2, qa3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, SCAN_N, D4, UPCAST)
-        parts = tl.arange(0, PARTS_PAD)
-        pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * NUM_PARTS + parts[None, :],
-                     mask=row_ok[:, None] & (parts < NUM_PARTS)[None, :], other=float("-inf"))
-        th = tl.where(row_ok, tl.max(pm, 1) - delta_log2, float("inf"))       # padding rows keep nothing
-        sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
-        forced_hi = tl.maximum(L - window, 0)                                  # blocks ending after this: window
+    row = b.to(tl.int64) * NUM_KV_HEADS + hk
+    ready = SYNC + 1 + row
+    done = SYNC + 1 + tl.num_programs(0) * NUM_KV_HEADS + row
+    if z < PM_PROGRAMS:
+        _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
+                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                         scale_log2, sink, window, min_ffd_len, SINK_PARTS, NUM_PARTS, NUM_HEADS, NUM_KV_HEADS,
+                         GROUP, BLOCK_H, D, D4, BS, PM_SLICE, UPCAST, HAS_KMAP)
+        tl.debug_barrier()                      # every thread's PM store before the release
+        tl.atomic_add(ready, 1, sem="release")
+    else:
+        prog = z - PM_PROGRAMS
+        programs = tl.num_programs(2) - PM_PROGRAMS
+        nq = _quantized_len(L, min_ffd_len, BS)
+        steps = tl.cdiv(nq, BPP)
+        cols = tl.arange(0, SCAN_N)
         bt_row = BT + b.to(tl.int64) * stride_bt
-        row = (b.to(tl.int64) * NUM_KV_HEADS + hk)
-        n_kept = nq * 0
-        for step in range(prog, steps, tl.num_programs(2)):
-            blks = step * BPP + tl.arange(0, BPP)
-            ok = blks < nq
+        bmax_row = BMAX + row * max_blocks * SCAN_N
+        if prog < steps:
             if TOKENS_AS_M:
-                hit, pages = _scan_hits(qa0, qa1, qa2, qa3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
-                                        BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
+                qa0 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 0, GROUP, SCAN_N, D4)
+                qa1 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 1, GROUP, SCAN_N, D4)
+                qa2 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 2, GROUP, SCAN_N, D4)
+                qa3 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 3, GROUP, SCAN_N, D4)
             else:
-                hit, pages = _scan_hits_rows(qa0, qa1, qa2, qa3, th, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
-                                             BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
-            keep = (hit > 0) | (blks < sink_blocks) | ((blks + 1) * BS > forced_hi)
-            # the page id of a kept block, -1 for a dropped one: the attend pass then needs no table read
-            tl.store(FLAGS + row * max_blocks + blks, tl.where(keep, pages, -1).to(tl.int32), mask=ok)
-            n_kept += tl.sum((keep & ok).to(tl.int32), 0)
-            if WRITE_MASK:   # test output: the keep decision of every full block
-                tl.store(MASK + row * stride_mask + blks, keep.to(tl.int8), mask=ok)
-        tl.atomic_add(KEPT_TOTAL, n_kept)
+                qa0, qa1, qa2, qa3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, SCAN_N, D4, UPCAST)
+            for step in range(prog, steps, programs):
+                blks = step * BPP + tl.arange(0, BPP)
+                ok = blks < nq
+                if TOKENS_AS_M:
+                    bmax = _scan_block_max(qa0, qa1, qa2, qa3, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
+                                           BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
+                else:
+                    bmax = _scan_block_max_rows(qa0, qa1, qa2, qa3, CODES, SCALES, bt_row, blks, ok, hk,
+                                                scale_log2, BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
+                tl.store(bmax_row + blks[:, None] * SCAN_N + cols[None, :], bmax, mask=ok[:, None])
+        _wait_for(ready, PM_PROGRAMS)             # also orders this program's BMAX stores before the reads
+        if prog < steps:
+            heads = hk * GROUP + cols
+            parts = tl.arange(0, PARTS_PAD)
+            pm = tl.load(PM + (b.to(tl.int64) * NUM_HEADS + heads)[:, None] * PM_PROGRAMS + parts[None, :],
+                         mask=(cols < GROUP)[:, None] & (parts < PM_PROGRAMS)[None, :], other=float("-inf"),
+                         cache_modifier=".cg")
+            th = tl.where(cols < GROUP, tl.max(pm, 1) - delta_log2, float("inf"))    # padding rows keep nothing
+            sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
+            forced_hi = tl.maximum(L - window, 0)                                # blocks ending after this: window
+            n_kept = _keep_decisions(bmax_row, th, bt_row, FLAGS + row * max_blocks, MASK + row * stride_mask,
+                                     prog, programs, steps, nq, sink_blocks, forced_hi, BPP, SCAN_N, BS,
+                                     DECIDE_CHUNK, WRITE_MASK)
+            tl.atomic_add(SYNC, n_kept)
+        if tl.atomic_add(done, 1, sem="acq_rel") == programs - 1:    # the row's last: every program is past
+            tl.store(ready, 0)                                          # its wait, the parts are counted
+            tl.store(done, 0)
 
 
 # ----- decode 3: attend over the kept blocks -------------------------------------------------
@@ -643,7 +737,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
                    FLAG_CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                    D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr,
-                   HAS_KMAP: tl.constexpr):
+                   HAS_KMAP: tl.constexpr, PDL: tl.constexpr):
     """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
     per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT, min(ceil(KEPT_TOTAL / resident), PER_MAX))
     <= PER_MAX (see `attend_slots`), so the splits cover every kept block exactly once. The last
@@ -655,6 +749,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
+    _release_next(PDL)
     L = tl.load(SEQ + b)
     dense = L < min_ffd_len
     nq = _quantized_len(L, min_ffd_len, BS)
@@ -668,6 +763,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
     row = b.to(tl.int64) * NUM_KV_HEADS + hk
     # q first: its loads overlap the flag row's instead of following the split's work decision
     q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
+    _wait_previous(PDL)                         # the scan's flags and kept-block total
     if dense:
         # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
         pages = tl.cdiv(L, BS)
@@ -728,16 +824,19 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
 # ----- decode 4: merge -----------------------------------------------------------------------
 
 @triton.jit
-def _merge_kernel(OUT, P_ACC, P_ML, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  D: tl.constexpr, DC: tl.constexpr):
+def _merge_kernel(OUT, P_ACC, P_ML, KEPT_TOTAL, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head)'s splits over channels [c * DC, (c + 1) * DC).
 
     All splits at once (one round trip for m, l, one for acc); empty splits (m = -inf) weigh 0 and
-    their acc is not read. A row with no token at all (L = 0) gets 0."""
+    their acc is not read. A row with no token at all (L = 0) gets 0. Program (0, 0, 0) zeroes the
+    kept-block total for the next call (the attend, its last reader, has finished)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
     base = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
+    _wait_previous(PDL)
+    tl.store(KEPT_TOTAL, 0, mask=(b == 0) & (h == 0) & (c == 0))
     s = base + tl.arange(0, NUM_SPLITS)
     m_s = tl.load(P_ML + s * 2)
     l_s = tl.load(P_ML + s * 2 + 1)
@@ -767,6 +866,8 @@ SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105
 # shallow for the compiler to expand the codes in registers (sm_90 SASS: 1561 against 796 instructions per step).
 SCAN_TOKENS_AS_M_MIN_DIM = 128
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
+PM_SLICE = 32           # tokens per pseudo-max program: [16, 32] tiles fit the scan's one warp unspilled
+DECIDE_CHUNK = 64       # scan steps whose keep decisions one vector takes (B = 1, 256K: 16 per program)
 MERGE_TILE = 4096       # fp32 partial elements one merge program holds: [splits, channels]
 
 
@@ -814,6 +915,18 @@ def attend_resident_per_sm(args: tuple, kwargs: dict, q: torch.Tensor, k_cache: 
     return resident_ctas(_attend_kernel, key, (*args, 0), kwargs, q.device)
 
 
+def sync_entries(batch: int, kv_heads: int) -> int:
+    """int32 counters one decode launch uses: the kept-block total, then READY and DONE per (sequence,
+    KV head)."""
+    return 1 + 2 * batch * kv_heads
+
+
+def ffd_sync_buffer(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for `ffd_decode` calls of up to `batch` sequences: each call leaves them zero, so
+    a caller that keeps one per stream pays no memset per call (calls on other streams need their own)."""
+    return torch.zeros(sync_entries(batch, kv_heads), dtype=torch.int32, device=device)
+
+
 def check_ffd_inputs(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, params: FFDParams) -> None:
     """Raise for shapes and layouts the FFD kernels do not serve (q [T, Hq, D], pages [N, BS, Hkv, D])."""
@@ -835,7 +948,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                *, scale: float, params: FFDParams, num_splits: int | None = None,
                stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
                masks: torch.Tensor | None = None, key_page_map: torch.Tensor | None = None,
-               resident_programs: int | None = None) -> torch.Tensor:
+               resident_programs: int | None = None, pdl: bool | None = None,
+               sync: torch.Tensor | None = None) -> torch.Tensor:
     """q[B, Hq, D] -> out[B, Hq, D] under the FFD rule (decode: one query per sequence).
 
     k/v_cache [N, BS, Hkv, D] exact pages; codes/scales/residual the same pages quantized
@@ -845,8 +959,12 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     1/0 for every full block the kernel visited. `num_splits` is rounded up to a power of two.
     `resident_programs`: the attend programs to spread the batch's kept blocks over (default: those
     the GPU runs at once minus one per (sequence, KV head), whose ceil() may each add one; 0, and
-    the default with `num_splits`: only the per-sequence rule).
-    Raises for shapes the kernel does not serve.
+    the default with `num_splits`: only the per-sequence rule). `pdl`: the attend and the merge start
+    while the previous launch ends (programmatic dependent launch; default: where the GPU has it, False: plain
+    stream order). `sync`: the launches' int32 counters (`ffd_sync_buffer`), zero between calls and
+    left zero by each, so one buffer serves every call on a stream (default: a zeroed one per call).
+    Raises for shapes the kernel does not serve, for `pdl=True` where the GPU has no such launch, and
+    for a `sync` buffer too small for the batch.
     """
     batch, num_heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
@@ -855,6 +973,16 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     if batch == 0:
         return out
     group = num_heads // kv_heads
+    dev = q.device
+    if pdl and not programmatic_launch(dev):
+        raise ValueError(f"pdl=True: programmatic dependent launch needs an NVIDIA sm_90+ GPU; q is on {dev}")
+    pdl = programmatic_launch(dev) if pdl is None else pdl
+    dependent = {"launch_pdl": True} if pdl else {}     # launch options of the attend and the merge
+    if sync is None:
+        sync = ffd_sync_buffer(batch, kv_heads, dev)
+    elif sync.dtype != torch.int32 or sync.device != dev or sync.numel() < sync_entries(batch, kv_heads):
+        raise ValueError(f"sync must be int32 on {dev} with >= {sync_entries(batch, kv_heads)} entries "
+                         f"(ffd_sync_buffer); got {sync.dtype} [{sync.numel()}] on {sync.device}")
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
     min_per = 1 if num_splits else MIN_PER_SPLIT
     max_blocks = max(1, block_tables.shape[1])
@@ -862,10 +990,10 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     flag_chunk = min(FLAG_CHUNK, triton.next_power_of_2(max_blocks))
     sink_parts = -(-params.sink_tokens // bs)
     num_parts = sink_parts + (-(-params.local_window // bs) + 1) + 1
-    dev = q.device
-    pm = torch.empty(batch * num_heads * num_parts, dtype=torch.float32, device=dev)
+    pm_slice = min(PM_SLICE, bs)
+    pm_programs = num_parts * (bs // pm_slice)
+    pm = torch.empty(batch * num_heads * pm_programs, dtype=torch.float32, device=dev)
     flags = torch.empty(batch * kv_heads * max_blocks, dtype=torch.int32, device=dev)   # page id or -1
-    kept_total = torch.empty(1, dtype=torch.int32, device=dev)                          # zeroed by launch 1
     slots = torch.empty(batch * kv_heads * splits * per_max, dtype=torch.int32, device=dev)
     p_acc = torch.empty(batch * num_heads * splits * dim, dtype=torch.float32, device=dev)
     p_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=dev)
@@ -876,33 +1004,35 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     kmap = seq_lens if key_page_map is None else key_page_map      # any int32 tensor when unused
     q_strides = (q.stride(0), q.stride(1))
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    _pseudo_max_kernel[(batch, kv_heads, num_parts)](
-        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, kept_total, *q_strides,
-        *kv_strides,
-        block_tables.stride(0), scale * LOG2E, params.sink_tokens, params.local_window, params.min_ffd_len,
-        SINK_PARTS=sink_parts, NUM_PARTS=num_parts, HAS_KMAP=key_page_map is not None, num_warps=4, **common)
-    scan_grid = (batch, kv_heads, choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
     tokens_as_m = dim >= SCAN_TOKENS_AS_M_MIN_DIM
+    scan_n = triton.next_power_of_2(group) if tokens_as_m else block_h
+    bmax = torch.empty(batch * kv_heads * max_blocks * scan_n, dtype=torch.float32, device=dev)
+    # the pseudo-max parts first: the lowest program ids, dispatched before the scan programs that wait on them
+    scan_grid = (batch, kv_heads, pm_programs + choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
     _scan_kernel[scan_grid](
-        q, codes, scales, block_tables, seq_lens, pm, flags, masks if masks is not None else flags, kept_total,
-        *q_strides, block_tables.stride(0), masks.shape[2] if masks is not None else 0, max_blocks,
+        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, bmax, flags,
+        masks if masks is not None else flags, sync, *q_strides, *kv_strides, block_tables.stride(0),
+        masks.shape[2] if masks is not None else 0, max_blocks,
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
-        BPP=SCAN_BLOCKS_PER_STEP, NUM_PARTS=num_parts, PARTS_PAD=triton.next_power_of_2(num_parts),
-        WRITE_MASK=masks is not None, TOKENS_AS_M=tokens_as_m,
-        SCAN_N=triton.next_power_of_2(group) if tokens_as_m else block_h, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
+        BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
+        PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
+        WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m, PM_SLICE=pm_slice,
+        DECIDE_CHUNK=DECIDE_CHUNK,
+        PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
-                   p_ml, stats if stats is not None else p_ml, kept_total, *q_strides, *kv_strides,
+                   p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,
                    block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)
     attend_consts = dict(NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max, FLAG_CHUNK=flag_chunk,
                          ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
-                         HAS_KMAP=key_page_map is not None, **common)
-    attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim)}
+                         HAS_KMAP=key_page_map is not None, PDL=pdl, **common)
+    attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim), **dependent}
     if resident_programs is None and not num_splits:
         resident_programs = attend_resident_per_sm(attend_args, {**attend_consts, **attend_launch}, q, k_cache) \
             * num_compute_units(dev) - batch * kv_heads
     _attend_kernel[(batch, kv_heads, splits)](*attend_args, max(0, int(resident_programs or 0)),
                                               **attend_consts, **attend_launch)
     dc = min(dim, max(16, MERGE_TILE // splits))
-    _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, out.stride(0), out.stride(1),
-                                                 NUM_SPLITS=splits, NUM_HEADS=num_heads, D=dim, DC=dc, num_warps=4)
+    _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, sync, out.stride(0), out.stride(1),
+                                                 NUM_SPLITS=splits, NUM_HEADS=num_heads, D=dim, DC=dc, PDL=pdl,
+                                                 num_warps=4, **dependent)
     return out

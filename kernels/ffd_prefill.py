@@ -81,7 +81,7 @@ def _page_scores(q, q0, q1, q2, q3, K, KMAP, CODES, SCALES, RES, page, blk, hk, 
     toks = blk * BS + tl.arange(0, BS)
     z = tl.full([ROWS, BS], float("-inf"), tl.float32)
     if any_quant:
-        zq = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, NUM_KV_HEADS, ROWS, BS, D, D4,
+        zq = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, 0, NUM_KV_HEADS, ROWS, BS, 1, D, D4,
                            True, UPCAST) * scale_log2
         z = tl.where((blk < nq)[:, None], zq, z)
     if any_exact:

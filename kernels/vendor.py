@@ -117,6 +117,15 @@ def configs_for(device: torch.device) -> VendorConfigs:
     return vendor_configs(detect_vendor() if device.type == "cuda" else "cpu")
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """True where a kernel may be launched while its predecessor in the stream still runs (CUDA
+    programmatic dependent launch: NVIDIA sm_90 and later, kept through CUDA-graph capture). The
+    dependent kernel then runs its prologue early and waits (`griddepcontrol.wait`) for the
+    predecessor's results; ROCm and the interpreter have no such launch."""
+    return (device.type == "cuda" and detect_vendor() == "nvidia" and not interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def num_compute_units(device: torch.device) -> int:
     """SMs (NVIDIA) or CUs (AMD); on CPU a nominal 8 so the split heuristic still splits."""
     if device.type == "cuda":

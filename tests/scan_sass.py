@@ -27,12 +27,14 @@ def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
 
     fn = ffd._scan_kernel
     bs, tokens_as_m = 128, dim >= ffd.SCAN_TOKENS_AS_M_MIN_DIM
-    consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 4, "NUM_HEADS": 8 * group,
+    consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 16, "NUM_HEADS": 8 * group,
               "NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_H": 16, "D": dim, "D4": dim // 4, "BS": bs,
-              "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m,
+              "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m, "SINK_PARTS": 1,
+              "HAS_KMAP": False, "PM_SLICE": ffd.PM_SLICE, "DECIDE_CHUNK": ffd.DECIDE_CHUNK, "PDL": True,
               "SCAN_N": triton.next_power_of_2(group) if tokens_as_m else 16}
-    types = {"Q": "*bf16", "CODES": "*u8", "SCALES": "*fp32", "BT": "*i32", "SEQ": "*i32", "PM": "*fp32",
-             "FLAGS": "*i32", "MASK": "*i8", "KEPT_TOTAL": "*i32", "scale_log2": "fp32", "delta_log2": "fp32"}
+    types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KMAP": "*i32", "CODES": "*u8", "SCALES": "*fp32",
+             "RES": "*fp8e4nv", "BT": "*i32", "SEQ": "*i32", "PM": "*fp32", "BMAX": "*fp32", "FLAGS": "*i32",
+             "MASK": "*i8", "SYNC": "*i32", "scale_log2": "fp32", "delta_log2": "fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in consts else types.get(name, "i32")

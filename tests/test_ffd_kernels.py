@@ -33,6 +33,7 @@ from kernels.ffd import (
     SCAN_STEP,
     attend_slots,
     ffd_decode,
+    ffd_sync_buffer,
     plane_asm,
     refined_plane_asm,
     residual_asm,
@@ -46,7 +47,7 @@ from kernels.ffd_reference import (
     ffd_decode_ref,
     quantize_blocks_ref,
 )
-from kernels.vendor import interpreting
+from kernels.vendor import interpreting, programmatic_launch
 from tests.ffd_helpers import empty_pages, paged_case, params
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -343,6 +344,46 @@ def test_scan_grid_size_changes_nothing(monkeypatch):
         results.append((run(case, p, masks=masks), masks))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+
+
+def test_pseudo_max_slice_size_changes_nothing(monkeypatch):
+    """The pseudo-max parts run as slices of PM_SLICE tokens (programs of the scan launch): 16- or
+    64-token slices give the same bits (output and block masks)."""
+    bs = 64
+    lens = [40 * bs + 37, 6 * bs, bs + 3]
+    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=13))
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=100)
+    results = []
+    for tokens in (16, 64):
+        monkeypatch.setattr(ffd_mod, "PM_SLICE", tokens)
+        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
+        results.append((run(case, p, masks=masks), masks))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+
+
+def test_sync_buffer_is_left_zero_and_serves_every_call():
+    """The decode's counters (kept-block total, per-row READY / DONE) are zero again after every call,
+    so one buffer serves calls of any batch up to its size with the outputs of fresh zeroed ones."""
+    bs = 64
+    sync = ffd_sync_buffer(4, 2, DEV)
+    for seed, lens in ((21, [30 * bs + 5, 4 * bs]), (22, [2 * bs + 9, 17 * bs, 9 * bs + 63, 1])):
+        case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=2, dim=64, seed=seed))
+        p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+        fresh = run(case, p)
+        for _ in range(2):
+            assert torch.equal(run(case, p, sync=sync), fresh)
+            assert not sync.any(), sync.tolist()
+    with pytest.raises(ValueError, match="sync"):
+        run(case, p, sync=ffd_sync_buffer(1, 2, DEV))
+
+
+def test_pdl_where_the_gpu_has_none_is_an_error():
+    if programmatic_launch(DEV):
+        pytest.skip("this GPU has programmatic dependent launch")
+    case = to_dev(paged_case([3 * 64 + 1], bs=64, kv_heads=1, group=2, dim=64, seed=3))
+    with pytest.raises(ValueError, match="pdl"):
+        run(case, params(bs=64, delta_log2=2.0, sink=4, window=64), pdl=True)
 
 
 def test_flag_rows_longer_than_one_chunk(monkeypatch):
