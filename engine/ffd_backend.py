@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 # `bench/ffd_kernels.py --crossover` (synthetic blocks at sparsity 0.76-0.80, 4K..128K tokens).
 # None = measured, and FFD was never faster: "auto" then runs dense everywhere.
 CROSSOVER_TOKENS: dict[str, int | None] = {
-    # bench/results/ffd_kernels_crossover.json, 2026-11-30: FFD faster at B = 8 from 8K and at B = 1
-    # from 32K (40.2 vs 44.9 us; 16K: 33.1 vs 29.6); at 128K 1.47x (B = 1) and 2.11x (B = 8).
-    "NVIDIA H200": 32768,
+    # bench/results/ffd_kernels_fused_threshold.json ("crossover"), 2026-12-01: FFD faster at B = 8
+    # from 8K and at B = 1 from 16K (27.6 vs 29.5 us; 8K: 24.7 vs 21.7); at 128K 2.29x (B = 1) and
+    # 2.96x (B = 8).
+    "NVIDIA H200": 16384,
 }
 NEVER = 2**31 - 1
 COMPACT_TEXT = "exact keys only for pages being filled"
