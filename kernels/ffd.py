@@ -69,13 +69,17 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.ffd_reference import RESIDUAL_SCALE, FFDParams
 from kernels.flash_decoding import rows_per_tile
 from kernels.kv_store import key_page
 from kernels.occupancy import resident_ctas
 from kernels.vendor import interpreting, num_compute_units, programmatic_launch
+
+try:   # NVIDIA builds of Triton; the others never launch programmatically (`programmatic_launch`)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 INV_RES_SCALE: tl.constexpr = tl.constexpr(1.0 / RESIDUAL_SCALE)   # residual units -> channel scales
