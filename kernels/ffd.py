@@ -37,8 +37,8 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
 On sm_90+ the attend and the merge are launched as programmatic dependents: they start (q loads)
 while the previous launch ends and wait for its results (`griddepcontrol.wait`), about 2 us per
 decode at B = 1. The scan, the first launch, is not (when the pseudo-max was a launch of its own,
-a scan launched early beside it lost 4-10 us at B = 1, 128K-256K). The launches' counters live in a small int32 buffer
-that every call leaves zero (`ffd_sync_buffer`).
+a scan launched early beside it lost 4-10 us at B = 1, 128K-256K). The launches' counters live in a
+small int32 buffer that every call leaves zero (`ffd_sync_buffer`).
 Scan and attend are separate passes because a fused loop branches on every block's decision and
 chains several memory round trips per block, which neither pipelining nor the few resident
 programs can hide. "auto": a sequence shorter than `min_ffd_len` is skipped by the scan and the
@@ -448,7 +448,7 @@ def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
     return tl.where(L < min_ffd_len, 0, L // BS)
 
 
-# ----- decode 1a: threshold (programs of the scan launch) -----------------------------------------
+# ----- decode 1, first programs: threshold ----------------------------------------------------
 
 @triton.jit
 def _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
@@ -503,7 +503,7 @@ def _wait_for(counter, target):
     tl.debug_barrier()
 
 
-# ----- decode 2: 2-bit scan -> keep flags ----------------------------------------------------
+# ----- decode 1, the other programs: 2-bit scan -> keep flags ---------------------------------
 
 @triton.jit
 def _load_qt_plane(Q, b, hk, stride_qb, stride_qh, j: tl.constexpr, GROUP: tl.constexpr, SCAN_N: tl.constexpr,
@@ -540,7 +540,8 @@ def _scan_term(raw, offset, byte, qt, s, j: tl.constexpr, F: tl.constexpr, UPCAS
 def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.constexpr, BS: tl.constexpr,
                      D: tl.constexpr, D4: tl.constexpr):
     """Every load of one scan step, issued before any math: the page ids of the BPP blocks `blks`
-    (0 where not ok), then their four channel-range scales [BPP, D/4] and codes [BPP, BS, D/4]."""
+    (0 where not ok), then their four channel-range scales [BPP, D/4] and codes [BPP, BS, D/4]
+    (returned)."""
     pages = tl.load(bt_row + blks, mask=ok, other=0).to(tl.int64)
     qbase = pages * NUM_KV_HEADS + hk                                          # [BPP]
     cols = tl.arange(0, D4)
@@ -552,7 +553,7 @@ def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.const
     toks = tl.arange(0, BS)
     byte = tl.load(CODES + (qbase[:, None, None] * BS + toks[None, :, None]) * D4 + cols[None, None, :],
                    mask=ok[:, None, None], other=0)                            # [BPP, BS, D4]
-    return pages, s0, s1, s2, s3, byte
+    return s0, s1, s2, s3, byte
 
 
 @triton.jit
@@ -565,7 +566,7 @@ def _scan_block_max(qt0, qt1, qt2, qt3, CODES, SCALES, bt_row, blks, ok, hk, sca
     transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
     and the codes are the A operand, which the compiler expands in registers. The max over tokens is
     taken before the (monotone) scaling: same result, 1/BS of the work."""
-    _, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
+    s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                             # q.k over [BPP, tokens, rows]
     offset = tl.zeros([BPP, D4, SCAN_N], tl.float32)
     raw, offset = _scan_term(raw, offset, byte, qt0, s0, 0, SCAN_F0, UPCAST)
@@ -582,7 +583,7 @@ def _scan_block_max_rows(q0, q1, q2, q3, CODES, SCALES, bt_row, blks, ok, hk, sc
     """`_scan_block_max` with the query rows as the dots' M (padded to 16) and the exact levels: for
     head_dim 64, where a plane is only 16 channels deep and the transposed form's codes would go
     through shared memory as bf16 (twice the instructions, measured)."""
-    _, s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
+    s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     raw = tl.zeros([BPP, BLOCK_H, BS], tl.float32)                            # q.k over [BPP, rows, tokens]
     raw = _plane_term(raw, q0.to(tl.float32)[None, :, :] * s0[:, None, :],
                       tl.permute(_code_plane(byte, 0, UPCAST), (0, 2, 1)), False, UPCAST)
@@ -629,16 +630,15 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
                  D: tl.constexpr, D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr,
                  WRITE_MASK: tl.constexpr, SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr,
                  PM_SLICE: tl.constexpr, DECIDE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Threshold and keep decisions of (sequence, KV head) in one launch. Programs z < NUM_PARTS *
-    SLICES are the pseudo-max part slices (`_pseudo_max_part`); each then counts itself in the row's
-    READY counter.
-    Program p = z - NUM_PARTS of the scan takes the BPP-block steps p, p + P, ... (P scan programs per
-    row) and stores each block's per-row 2-bit max in BMAX, which needs no threshold; only then does it
-    wait for READY = NUM_PARTS * SLICES (the parts are the row's lowest program ids, so they run first; their
-    few blocks take far less time than a scan program's loop), take th = max over parts - δ and turn
-    its stored maxes into keep flags. SYNC (int32, zero between calls): [kept-block total, READY per
-    row, DONE per row]; the row's last scan program to finish zeroes its READY and DONE, the merge
-    zeroes the total."""
+    """Threshold and keep decisions of (sequence, KV head) in one launch. Programs z < PM_PROGRAMS
+    (NUM_PARTS * BS / PM_SLICE) are the pseudo-max slices (`_pseudo_max_part`); each then counts
+    itself in the row's READY counter. Scan program p = z - PM_PROGRAMS takes the BPP-block steps
+    p, p + P, ... (P scan programs per row) and stores each block's per-row 2-bit max in BMAX, which
+    needs no threshold; only then does it wait for READY = PM_PROGRAMS (the slices are the grid's
+    lowest program ids, so they are dispatched first, and their few tokens take far less time than a
+    scan program's loop), take th = max over the slices - δ and turn its stored maxes into keep
+    flags. SYNC (int32, zero between calls): [kept-block total, READY per row, DONE per row]; the
+    row's last scan program to finish zeroes its READY and DONE, the merge zeroes the total."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     z = tl.program_id(2)
@@ -700,7 +700,7 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
             tl.store(done, 0)
 
 
-# ----- decode 3: attend over the kept blocks -------------------------------------------------
+# ----- decode 2: attend over the kept blocks -------------------------------------------------
 
 @triton.jit
 def _flag_chunk(flag_row, c, nq, CHUNK: tl.constexpr):
@@ -825,7 +825,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
              mask=(row_ok & (m > float("-inf")))[:, None])
 
 
-# ----- decode 4: merge -----------------------------------------------------------------------
+# ----- decode 3: merge -----------------------------------------------------------------------
 
 @triton.jit
 def _merge_kernel(OUT, P_ACC, P_ML, KEPT_TOTAL, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
@@ -964,8 +964,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     `resident_programs`: the attend programs to spread the batch's kept blocks over (default: those
     the GPU runs at once minus one per (sequence, KV head), whose ceil() may each add one; 0, and
     the default with `num_splits`: only the per-sequence rule). `pdl`: the attend and the merge start
-    while the previous launch ends (programmatic dependent launch; default: where the GPU has it, False: plain
-    stream order). `sync`: the launches' int32 counters (`ffd_sync_buffer`), zero between calls and
+    while the previous launch ends (programmatic dependent launch; default: where the GPU has it,
+    False: plain stream order). `sync`: the launches' int32 counters (`ffd_sync_buffer`), zero between calls and
     left zero by each, so one buffer serves every call on a stream (default: a zeroed one per call).
     Raises for shapes the kernel does not serve, for `pdl=True` where the GPU has no such launch, and
     for a `sync` buffer too small for the batch.
@@ -1021,8 +1021,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
         PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
         WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m, PM_SLICE=pm_slice,
-        DECIDE_CHUNK=DECIDE_CHUNK,
-        PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
+        DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
                    p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,
                    block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)
