@@ -978,9 +978,10 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         return out
     group = num_heads // kv_heads
     dev = q.device
-    if pdl and not programmatic_launch(dev):
+    launchable = programmatic_launch(dev)
+    if pdl and not launchable:
         raise ValueError(f"pdl=True: programmatic dependent launch needs an NVIDIA sm_90+ GPU; q is on {dev}")
-    pdl = programmatic_launch(dev) if pdl is None else pdl
+    pdl = launchable if pdl is None else pdl
     dependent = {"launch_pdl": True} if pdl else {}     # launch options of the attend and the merge
     if sync is None:
         sync = ffd_sync_buffer(batch, kv_heads, dev)

@@ -7,6 +7,7 @@ tiles are smaller, it pipelines less, and it takes `waves_per_eu` / `matrix_inst
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -122,8 +123,13 @@ def programmatic_launch(device: torch.device) -> bool:
     programmatic dependent launch: NVIDIA sm_90 and later, kept through CUDA-graph capture). The
     dependent kernel then runs its prologue early and waits (`griddepcontrol.wait`) for the
     predecessor's results; ROCm and the interpreter have no such launch."""
-    return (device.type == "cuda" and detect_vendor() == "nvidia" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return device.type == "cuda" and not interpreting() and _nvidia_sm90_or_later(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvidia_sm90_or_later(index: int | None) -> bool:
+    """Per device, once: `programmatic_launch` is asked on every FFD decode call (every layer, every step)."""
+    return detect_vendor() == "nvidia" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def num_compute_units(device: torch.device) -> int:
