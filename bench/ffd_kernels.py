@@ -25,6 +25,10 @@ Flash-Decoding kernel and torch SDPA, in one run.
              keys (nothing pruned): error vs the torch rule (fp32, on the GPU) and time against our
              dense Triton prefill on the same pages. --prefill-sweep: its time at 32K per tile
              and warp count.
+--sweep NAME=V1,V2  each value of a tuning constant of kernels/ffd.py (SCAN_STAGES, PM_SLICE, ...;
+             repeatable) timed beside the defaults in one run, same inputs, at B in {1, 8}, L in {16K ..
+             256K}, f = 0.1 (and 0.02 at 128K), Llama-3.1-8B shapes plus one head_dim 64 row; whether
+             each output is bit-equal to the defaults' (split counts change the summation order).
 --profile    GPU time per FFD launch (pseudo-max, scan, attend, merge) at 128K, B in {1, 8},
              synthetic f = 0.1, from the torch profiler: which pass the time goes to.
 Writes DIR/ffd_kernels.json and prints the tables last.
@@ -386,6 +390,62 @@ def run_auto_dense(timer, gen) -> list[dict]:
     return rows
 
 
+# kernels/ffd.py constants a sweep may override: launch shapes only, none changes the rule
+TUNABLE = ("SCAN_PROGRAMS_PER_SM", "ATTEND_PROGRAMS_PER_SM", "MIN_PER_SPLIT", "SCAN_STAGES", "SCAN_WARPS",
+           "SCAN_BLOCKS_PER_STEP", "PM_SLICE", "DECIDE_CHUNK", "MERGE_TILE")
+# (B, L, f, Hq, Hkv, D)
+SWEEP_CASES = ((1, 131072, 0.1, 32, 8, 128), (1, 262144, 0.1, 32, 8, 128), (1, 65536, 0.1, 32, 8, 128),
+               (1, 16384, 0.1, 32, 8, 128), (1, 131072, 0.02, 32, 8, 128), (8, 131072, 0.1, 32, 8, 128),
+               (8, 262144, 0.1, 32, 8, 128), (8, 65536, 0.1, 32, 8, 128), (8, 16384, 0.1, 32, 8, 128),
+               (8, 131072, 0.1, 24, 8, 64))
+
+
+def parse_sweep(specs: list[str]) -> list[tuple[str, int]]:
+    """["SCAN_STAGES=4,8", ...] -> [("SCAN_STAGES", 4), ("SCAN_STAGES", 8), ...]; exits on a bad spec."""
+    overrides = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        try:
+            ints = [int(v) for v in values.split(",")]
+        except ValueError:
+            ints = []
+        if name not in TUNABLE or not ints or min(ints) < 1:
+            raise SystemExit(f"--sweep NAME=V1,V2,... with NAME one of {', '.join(TUNABLE)} and positive "
+                             f"integer values; got {spec!r}")
+        overrides += [(name, v) for v in ints]
+    return overrides
+
+
+def run_sweep(timer, gen, overrides: list[tuple[str, int]], deadline: float) -> list[dict]:
+    """Per case: the defaults (timed first and last, the faster kept) and each override, same inputs."""
+    import kernels.ffd as ffd_module
+    p = params()
+    rows = []
+    for batch, length, f_hot, hq, hkv, dim in SWEEP_CASES:
+        if time.time() > deadline:
+            print("sweep: deadline reached, skipping the rest", flush=True)
+            break
+        case = Case([length] * batch, hq, hkv, dim, gen, f_hot=f_hot)
+        base = ffd(case, p).clone()
+        row = {"B": batch, "L": length, "f": f_hot, "D": dim, "sparsity": sparsity(case, p),
+               "default_us": timer(lambda: ffd(case, p)), "us": {}, "bit_equal": {}}
+        for name, value in overrides:
+            default = getattr(ffd_module, name)
+            setattr(ffd_module, name, value)
+            try:
+                row["us"][f"{name}={value}"] = timer(lambda: ffd(case, p))
+                row["bit_equal"][f"{name}={value}"] = bool(torch.equal(ffd(case, p), base))
+            finally:
+                setattr(ffd_module, name, default)
+        row["default_us"] = min(row["default_us"], timer(lambda: ffd(case, p)))
+        row["flash_us"] = timer(lambda: flash(case))
+        rows.append(row)
+        print("sweep", json.dumps(row), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_profile(gen) -> list[dict]:
     """Per-launch GPU µs of one FFD decode (mean over 20 calls) at 128K, B = 1 and 8, f = 0.1."""
     from torch.profiler import ProfilerActivity, profile
@@ -464,6 +524,15 @@ def print_tables(report) -> None:
             err = f"{r['rel_err_vs_rule']:.1e}" if "rel_err_vs_rule" in r else "-"
             print(f"| {r['data']} | {r['L'] // 1024}K | {r['chunk']} | {r['decode_sparsity']:.3f} | {err} | "
                   f"{r['ffd_us']:.0f} | {r['flash_us']:.0f} | {r['ffd_over_flash']:.2f} |")
+    if report.get("sweep"):
+        keys = list(report["sweep"][0]["us"])
+        print("\nµs, CUDA-graph replay, L2 cleaned; * = output not bit-equal to the defaults'")
+        print("| B | L | D | f | sparsity | defaults | " + " | ".join(keys) + " | flash |")
+        print("|---|---|---|---|---|---|" + "---|" * len(keys) + "---|")
+        for r in report["sweep"]:
+            cells = " | ".join(f"{r['us'][k]:.1f}{'' if r['bit_equal'][k] else '*'}" for k in keys)
+            print(f"| {r['B']} | {r['L'] // 1024}K | {r['D']} | {r['f']} | {r['sparsity']:.3f} | "
+                  f"{r['default_us']:.1f} | {cells} | {r['flash_us']:.1f} |")
     if report.get("crossover"):
         c = report["crossover"]
         print(f"\ncrossover on {c['gpu']}: {c['crossover_tokens']} tokens")
@@ -481,10 +550,13 @@ def main() -> None:
     ap.add_argument("--prefill-sweep", action="store_true")
     ap.add_argument("--auto-dense", action="store_true")
     ap.add_argument("--dump-real", action="store_true")
+    ap.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
+                    help="time kernels/ffd.py with a tuning constant set to each value, beside the defaults")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny checks, no timing")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting new bench rows after this")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
+    overrides = parse_sweep(args.sweep)
     if args.dump_real:
         dump_real(8192, [3, 14, 25])
         return
@@ -514,6 +586,9 @@ def main() -> None:
             if getattr(args, mode):
                 report[mode] = run_mode(timer, gen)
                 path.write_text(json.dumps(report, indent=1))
+        if overrides:
+            report["sweep"] = run_sweep(timer, gen, overrides, start + args.budget_s)
+            path.write_text(json.dumps(report, indent=1))
         if args.bench:
             report["copy_bw"] = copy_bandwidth()
             report["bench"] = run_bench(timer, gen, report["copy_bw"], start + args.budget_s)
