@@ -858,7 +858,9 @@ def _merge_kernel(OUT, P_ACC, P_ML, KEPT_TOTAL, stride_ob, stride_oh, NUM_SPLITS
 
 SCAN_PROGRAMS_PER_SM = 8     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
-MIN_PER_SPLIT = 2      # kept blocks: below this a split's fixed chain (flags, page ids, q) dominates
+# Fewest kept blocks an attend split takes. H200 (results/ffd_launch_sweep.json): 1 against 2, B = 1, 16K
+# 24.5 against 26.8 us, the same elsewhere (long rows get several per split from the resident term).
+MIN_PER_SPLIT = 1
 # Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
 # 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
 # 256K: 84.9 vs 86.0) and 4 blocks on 4 warps; more warps per block (4 warps, 2 blocks: 402.5) lose.
