@@ -27,8 +27,9 @@ Flash-Decoding kernel and torch SDPA, in one run.
              and warp count.
 --sweep NAME=V1,V2  each value of a tuning constant of kernels/ffd.py (SCAN_STAGES, PM_SLICE, ...;
              repeatable) timed beside the defaults in one run, same inputs, at B in {1, 8}, L in {16K ..
-             256K}, f = 0.1 (and 0.02 at 128K), Llama-3.1-8B shapes plus one head_dim 64 row; whether
-             each output is bit-equal to the defaults' (split counts change the summation order).
+             256K}, f = 0.1 (and 0.02 at 128K), Llama-3.1-8B shapes plus one head_dim 64 row, and
+             `auto`'s dense rows at 4K and 16K; whether each output is bit-equal to the defaults'
+             (split counts change the summation order).
 --profile    GPU time per FFD launch (pseudo-max, scan, attend, merge) at 128K, B in {1, 8},
              synthetic f = 0.1, from the torch profiler: which pass the time goes to.
 Writes DIR/ffd_kernels.json and prints the tables last.
@@ -393,11 +394,14 @@ def run_auto_dense(timer, gen) -> list[dict]:
 # kernels/ffd.py constants a sweep may override: launch shapes only, none changes the rule
 TUNABLE = ("SCAN_PROGRAMS_PER_SM", "ATTEND_PROGRAMS_PER_SM", "MIN_PER_SPLIT", "SCAN_STAGES", "SCAN_WARPS",
            "SCAN_BLOCKS_PER_STEP", "PM_SLICE", "DECIDE_CHUNK", "MERGE_TILE")
-# (B, L, f, Hq, Hkv, D)
-SWEEP_CASES = ((1, 131072, 0.1, 32, 8, 128), (1, 262144, 0.1, 32, 8, 128), (1, 65536, 0.1, 32, 8, 128),
-               (1, 16384, 0.1, 32, 8, 128), (1, 131072, 0.02, 32, 8, 128), (8, 131072, 0.1, 32, 8, 128),
-               (8, 262144, 0.1, 32, 8, 128), (8, 65536, 0.1, 32, 8, 128), (8, 16384, 0.1, 32, 8, 128),
-               (8, 131072, 0.1, 24, 8, 64))
+# (B, L, f, Hq, Hkv, D, "auto" below its crossover: the FFD kernel's dense rows)
+SWEEP_CASES = ((1, 131072, 0.1, 32, 8, 128, False), (1, 262144, 0.1, 32, 8, 128, False),
+               (1, 65536, 0.1, 32, 8, 128, False), (1, 16384, 0.1, 32, 8, 128, False),
+               (1, 131072, 0.02, 32, 8, 128, False), (8, 131072, 0.1, 32, 8, 128, False),
+               (8, 262144, 0.1, 32, 8, 128, False), (8, 65536, 0.1, 32, 8, 128, False),
+               (8, 16384, 0.1, 32, 8, 128, False), (8, 131072, 0.1, 24, 8, 64, False),
+               (1, 4096, 0.1, 32, 8, 128, True), (8, 4096, 0.1, 32, 8, 128, True),
+               (1, 16384, 0.1, 32, 8, 128, True), (8, 16384, 0.1, 32, 8, 128, True))
 
 
 def parse_sweep(specs: list[str]) -> list[tuple[str, int]]:
@@ -419,26 +423,27 @@ def parse_sweep(specs: list[str]) -> list[tuple[str, int]]:
 def run_sweep(timer, gen, overrides: list[tuple[str, int]], deadline: float) -> list[dict]:
     """Per case: the defaults (timed first and last, the faster kept) and each override, same inputs."""
     import kernels.ffd as ffd_module
-    p = params()
     rows = []
-    for batch, length, f_hot, hq, hkv, dim in SWEEP_CASES:
+    for batch, length, f_hot, hq, hkv, dim, dense in SWEEP_CASES:
         if time.time() > deadline:
             print("sweep: deadline reached, skipping the rest", flush=True)
             break
         case = Case([length] * batch, hq, hkv, dim, gen, f_hot=f_hot)
+        p = params(min_len=length + 1 if dense else 0)
         base = ffd(case, p).clone()
-        row = {"B": batch, "L": length, "f": f_hot, "D": dim, "sparsity": sparsity(case, p),
-               "default_us": timer(lambda: ffd(case, p)), "us": {}, "bit_equal": {}}
+        row = {"B": batch, "L": length, "f": "auto, dense" if dense else f_hot, "D": dim,
+               "sparsity": None if dense else sparsity(case, p),
+               "default_us": timer(lambda case=case, p=p: ffd(case, p)), "us": {}, "bit_equal": {}}
         for name, value in overrides:
             default = getattr(ffd_module, name)
             setattr(ffd_module, name, value)
             try:
-                row["us"][f"{name}={value}"] = timer(lambda: ffd(case, p))
+                row["us"][f"{name}={value}"] = timer(lambda case=case, p=p: ffd(case, p))
                 row["bit_equal"][f"{name}={value}"] = bool(torch.equal(ffd(case, p), base))
             finally:
                 setattr(ffd_module, name, default)
-        row["default_us"] = min(row["default_us"], timer(lambda: ffd(case, p)))
-        row["flash_us"] = timer(lambda: flash(case))
+        row["default_us"] = min(row["default_us"], timer(lambda case=case, p=p: ffd(case, p)))
+        row["flash_us"] = timer(lambda case=case: flash(case))
         rows.append(row)
         print("sweep", json.dumps(row), flush=True)
         del case
@@ -531,7 +536,8 @@ def print_tables(report) -> None:
         print("|---|---|---|---|---|---|" + "---|" * len(keys) + "---|")
         for r in report["sweep"]:
             cells = " | ".join(f"{r['us'][k]:.1f}{'' if r['bit_equal'][k] else '*'}" for k in keys)
-            print(f"| {r['B']} | {r['L'] // 1024}K | {r['D']} | {r['f']} | {r['sparsity']:.3f} | "
+            s = "-" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
+            print(f"| {r['B']} | {r['L'] // 1024}K | {r['D']} | {r['f']} | {s} | "
                   f"{r['default_us']:.1f} | {cells} | {r['flash_us']:.1f} |")
     if report.get("crossover"):
         c = report["crossover"]
