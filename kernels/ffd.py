@@ -737,7 +737,8 @@ def _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stri
 def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_ACC, P_ML, STATS, KEPT_TOTAL,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, max_blocks,
                    scale_log2, min_ffd_len, resident,
-                   NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, PER_MAX: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, DENSE_MIN_PER_SPLIT: tl.constexpr,
+                   PER_MAX: tl.constexpr,
                    FLAG_CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                    D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr,
@@ -771,7 +772,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
     if dense:
         # "auto" below the crossover: dense split-KV over the exact keys (Flash-Decoding)
         pages = tl.cdiv(L, BS)
-        per = tl.maximum(tl.cdiv(pages, NUM_SPLITS), MIN_PER_SPLIT)
+        per = tl.maximum(tl.cdiv(pages, NUM_SPLITS), DENSE_MIN_PER_SPLIT)
         lo = split * per
         hi = tl.minimum(lo + per, pages)
         for blk in range(lo, hi):
@@ -858,9 +859,12 @@ def _merge_kernel(OUT, P_ACC, P_ML, KEPT_TOTAL, stride_ob, stride_oh, NUM_SPLITS
 
 SCAN_PROGRAMS_PER_SM = 8     # scan grid size (choose_splits): H200 sweeps in bench/RESULTS.md
 ATTEND_PROGRAMS_PER_SM = 8   # attend grid size
-# Fewest kept blocks an attend split takes. H200 (results/ffd_launch_sweep.json): 1 against 2, B = 1, 16K
-# 24.5 against 26.8 us, the same elsewhere (long rows get several per split from the resident term).
+# Fewest kept blocks an attend split takes, and fewest pages for "auto"'s dense rows. H200, 1 against 2
+# (results/ffd_min_per_split.json): kept blocks B = 1, 16K 24.4 against 26.8 us, the same elsewhere (long
+# rows get several per split from the resident term); dense rows B = 1 21.8 against 20.9 (4K), 33.6
+# against 32.3 (16K), B = 8 the same.
 MIN_PER_SPLIT = 1
+DENSE_MIN_PER_SPLIT = 2
 # Scan step shape, H200 sweeps (bench/RESULTS.md): one block per step on one warp, 4 programs per SM and a
 # 6-deep pipeline beat 2 blocks on 2 warps with 2 programs per SM (B = 8, 128K: 262.4 vs 269.8 us; B = 1,
 # 256K: 84.9 vs 86.0) and 4 blocks on 4 warps; more warps per block (4 warps, 2 blocks: 402.5) lose.
@@ -991,7 +995,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         raise ValueError(f"sync must be int32 on {dev} with >= {sync_entries(batch, kv_heads)} entries "
                          f"(ffd_sync_buffer); got {sync.dtype} [{sync.numel()}] on {sync.device}")
     splits = triton.next_power_of_2(int(num_splits or choose_splits(batch, kv_heads, q.device, ATTEND_PROGRAMS_PER_SM)))
-    min_per = 1 if num_splits else MIN_PER_SPLIT
+    min_per, dense_min_per = (1, 1) if num_splits else (MIN_PER_SPLIT, DENSE_MIN_PER_SPLIT)
     max_blocks = max(1, block_tables.shape[1])
     per_max = attend_slots(max_blocks, splits, min_per)
     flag_chunk = min(FLAG_CHUNK, triton.next_power_of_2(max_blocks))
@@ -1028,8 +1032,9 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
                    p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,
                    block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)
-    attend_consts = dict(NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, PER_MAX=per_max, FLAG_CHUNK=flag_chunk,
-                         ONE_CHUNK=flag_chunk >= max_blocks, COUNT=stats is not None,
+    attend_consts = dict(NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, DENSE_MIN_PER_SPLIT=dense_min_per,
+                         PER_MAX=per_max, FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks,
+                         COUNT=stats is not None,
                          HAS_KMAP=key_page_map is not None, PDL=pdl, **common)
     attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim), **dependent}
     if resident_programs is None and not num_splits:

@@ -189,13 +189,14 @@ def test_pruned_output_matches_reference_with_gqa(group, dim):
     check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
 
 
-def test_auto_rows_below_the_crossover_are_dense():
+@pytest.mark.parametrize("num_splits", [3, None])     # None: the default split rule (DENSE_MIN_PER_SPLIT)
+def test_auto_rows_below_the_crossover_are_dense(num_splits):
     bs = 64
     case = to_dev(paged_case([5 * bs + 3, 2 * bs + 7, 0], bs=bs, kv_heads=2, group=2, dim=64, seed=4))
     p = params(bs=bs, delta_log2=1.0, sink=0, window=8, min_ffd_len=3 * bs)
     q, k, v, qp, tables, seq = case
     stats = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out = run(case, p, stats=stats, num_splits=3)
+    out = run(case, p, stats=stats, num_splits=num_splits)
     ref_stats = {}
     ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
                          stats=ref_stats)
