@@ -115,7 +115,8 @@ class ServerState:
     async def shutdown(self, drain_timeout: float) -> None:
         """SIGTERM: refuse new requests, let those in flight finish, stop the engine."""
         engine = self.engine
-        self.phase = "draining"
+        if self.phase != "failed":      # a failed load or engine stays failed: `fdserve serve` exits 1 on it
+            self.phase = "draining"
         self._release_loader.set()
         if engine is None:
             return

@@ -91,6 +91,18 @@ def test_client_config_agrees_with_the_engine(model_dir):
         assert settings.model == engine.served_model_name
 
 
+def test_serve_exits_1_when_the_model_fails_to_load(tmp_path):
+    """A model that cannot load stops the server with a non-zero status (service managers and scripts
+    see the failure), after logging why."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path / "missing"), "--host", "127.0.0.1",
+         "--port", str(free_port())],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "model failed to load" in run.stdout + run.stderr
+
+
 def test_serve_drains_on_sigterm(model_dir):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
