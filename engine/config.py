@@ -62,6 +62,8 @@ class FlashDecodingConfig(_Section):
     sink_tokens: int = Field(4, ge=0)
     local_window: int = Field(128, ge=0)
     ffd_block_size: Literal[64, 128, 256] = 128
+    ffd_crossover_tokens: int | None = Field(None, ge=1, description="kernel = \"auto\": the context length "
+                                             "from which FFD runs; default: the one measured for this GPU")
 
 
 class BackendConfig(_Section):

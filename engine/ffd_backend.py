@@ -12,7 +12,8 @@ prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a 
 "auto": queries whose context is shorter than a crossover length attend densely over the exact
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
 use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
-CROSSOVER_TOKENS; a device without an entry is a startup error (never a guess). Where the
+CROSSOVER_TOKENS; `[flashdecoding] ffd_crossover_tokens` overrides it (a GPU's own measurement),
+and a device with neither is a startup error (never a guess). Where the
 measurement found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at
 startup.
 
@@ -64,13 +65,17 @@ def params_from_config(fd: Any, min_ffd_len: int = 0) -> FFDParams:
                      min_ffd_len=min_ffd_len)
 
 
-def crossover_for(device: torch.device) -> int:
+def crossover_for(device: torch.device, configured: int | None = None) -> int:
+    """`[flashdecoding] ffd_crossover_tokens` where set, else the length stored for this GPU."""
+    if configured is not None:
+        return configured
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if name not in CROSSOVER_TOKENS:
         known = ", ".join(f"{k}: {v}" for k, v in CROSSOVER_TOKENS.items()) or "none"
         raise ValueError(f"[flashdecoding] kernel = \"auto\" needs a measured FFD crossover context length "
-                         f"for {name!r} (stored: {known}); run `python bench/ffd_kernels.py --crossover` "
-                         f"on this GPU, or set kernel = \"ffd\" or \"flash\"")
+                         f"for {name!r} (stored: {known}): run `python bench/ffd_kernels.py --crossover` "
+                         f"on this GPU and set [flashdecoding] ffd_crossover_tokens to the length it prints, "
+                         f"or set kernel = \"ffd\" or \"flash\"")
     measured = CROSSOVER_TOKENS[name]
     return NEVER if measured is None else measured
 
@@ -246,7 +251,7 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
         _check_gpu(device, vendor)
     min_len = 0
     if fd.kernel == "auto":
-        min_len = crossover if crossover is not None else crossover_for(device)
+        min_len = crossover if crossover is not None else crossover_for(device, fd.ffd_crossover_tokens)
         if min_len >= NEVER:   # measured: FFD never wins here, so "auto" is plain Flash-Decoding
             from engine.attention_backends import make_attention_backend
             logger.info("[flashdecoding] kernel = \"auto\": FFD was never faster than Flash-Decoding on this GPU "

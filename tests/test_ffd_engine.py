@@ -109,6 +109,18 @@ def test_auto_needs_a_measured_crossover_and_ffd_units_are_explicit():
     assert "standard attention" in off.name                     # enable = false wins, as documented
 
 
+def test_auto_crossover_from_config_and_its_error_names_the_key():
+    """`ffd_crossover_tokens` serves a device with no stored measurement (here the CPU); without it
+    the startup error says which key to set and how to measure it; 0 is refused."""
+    with pytest.raises(ValueError, match="ffd_crossover_tokens.*--crossover|--crossover.*ffd_crossover_tokens"):
+        make_attention_backend(FlashDecodingConfig(kernel="auto"), torch.device("cpu"), "cpu")
+    backend = make_attention_backend(FlashDecodingConfig(kernel="auto", ffd_crossover_tokens=3000),
+                                     torch.device("cpu"), "cpu")
+    assert backend.params.min_ffd_len == 3000 and "dense Flash-Decoding below 3000" in backend.name
+    with pytest.raises(ValueError, match="ffd_crossover_tokens"):
+        FlashDecodingConfig(kernel="auto", ffd_crossover_tokens=0)
+
+
 def test_auto_with_crossover_switches_per_sequence(tiny_dir):
     from engine.ffd_backend import make_ffd_backend
     backend = make_ffd_backend(FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=1.0),
