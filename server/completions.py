@@ -96,7 +96,10 @@ class CompletionRun:
                     text = self.prompt_texts[prompt_index] + text
                 logprobs = None
                 if self.req.logprobs is not None:
-                    tracker = trackers.setdefault(index, CompletionLogprobs(self.state.token_texts))
+                    if index not in trackers:   # text_offset counts in the returned text, echo included
+                        start = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
+                        trackers[index] = CompletionLogprobs(self.state.token_texts, offset=start)
+                    tracker = trackers[index]
                     logprobs = tracker.piece(delta.logprobs)
                 yield index, text, logprobs, delta.finish_reason
 

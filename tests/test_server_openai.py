@@ -195,6 +195,9 @@ def test_completions_endpoint(client):
     choice = reply.choices[0]
     assert choice.text.startswith("Hello") and choice.finish_reason == "length"
     assert len(choice.logprobs.tokens) == 5 and len(choice.logprobs.top_logprobs[0]) == 2
+    # offsets index the returned text, which starts with the echoed prompt
+    assert choice.logprobs.text_offset[0] == len("Hello")
+    assert all(choice.text[o:o + len(t)] == t for o, t in zip(choice.logprobs.text_offset, choice.logprobs.tokens))
     batch = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     chunks = list(client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=4, stream=True,
