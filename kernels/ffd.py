@@ -1034,8 +1034,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                    block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)
     attend_consts = dict(NUM_SPLITS=splits, MIN_PER_SPLIT=min_per, DENSE_MIN_PER_SPLIT=dense_min_per,
                          PER_MAX=per_max, FLAG_CHUNK=flag_chunk, ONE_CHUNK=flag_chunk >= max_blocks,
-                         COUNT=stats is not None,
-                         HAS_KMAP=key_page_map is not None, PDL=pdl, **common)
+                         COUNT=stats is not None, HAS_KMAP=key_page_map is not None, PDL=pdl, **common)
     attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim), **dependent}
     if resident_programs is None and not num_splits:
         resident_programs = attend_resident_per_sm(attend_args, {**attend_consts, **attend_launch}, q, k_cache) \
