@@ -51,7 +51,8 @@ CROSSOVER_TOKENS: dict[str, int | None] = {
     # bench/results/ffd_kernels_fused_threshold.json ("crossover"), 2026-12-01: FFD faster at B = 8
     # from 8K and at B = 1 from 16K (27.6 vs 29.5 us; 8K: 24.7 vs 21.7); at 128K 2.29x (B = 1) and
     # 2.96x (B = 8). Re-measured after the attend's split minimum went to 1 (ffd_kernels_split_rule.json,
-    # same day): still 16K (B = 1: 28.4 vs 29.6 us; 8K: 22.3 vs 21.5).
+    # same day): still 16K (B = 1: 28.4 vs 29.6 us; 8K: 22.3 vs 21.5). Again with the int8 scan
+    # (ffd_kernels_int8_scan.json, same day): 16K (B = 1: 28.2 vs 29.5 us; 8K: 22.8 vs 20.8).
     "NVIDIA H200": 16384,
 }
 NEVER = 2**31 - 1

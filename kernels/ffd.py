@@ -46,14 +46,16 @@ attend grid runs dense split-KV over its exact keys (Flash-Decoding), per sequen
 batches need no host decision.
 
 Arithmetic: the conversion unit (16 results per clock and SM) is the scarce resource of both
-passes, so the GPU builds bf16 operands from bits with a few integer instructions (`plane_asm`,
+passes, so the GPU builds MMA operands from bits with a few integer instructions (`plane_asm`,
 `scan_plane_asm`, `residual_asm`, `refined_plane_asm`): the code planes as their exact levels
-code - 1.5 (threshold) or as 128 + f * code with the offset taken out after the dot (the scan: half
-the integer work), the e4m3 residual as exact bf16 times a power of two that the q side compensates
-(threshold) or, with one bf16 fma per two values, added to the level (the attend's refined key).
-Precision: the 2-bit scan dots q*scale rounded to bf16 with the code levels (selection only; at
-D >= 128 as 128 + f * code, whose fp32 accumulation, about 8 roundings of sums up to ~176 sum|q s|,
-stays below that bf16 rounding of q*s, ~2^-9 |q s| per channel). The
+code - 1.5 in bf16 (threshold), or as the int8 codes 0..3 themselves for the scan's int8 MMA (two
+integer instructions per four codes, one K-step per plane, 1.5 * sum(q side) taken out after the
+dot; H200, B = 8, 128K: 225.2 -> 206.0 us per decode against the bf16 form's 128 + f * code), the
+e4m3 residual as exact bf16 times a power of two that the q side compensates (threshold) or, with
+one bf16 fma per two values, added to the level (the attend's refined key).
+Precision: the 2-bit scan (selection only) dots the exact levels with q*scale rounded to int8 steps
+of u = max|q row| * max(block's channel scales) / 127, i.e. an error of at most u / 2 per channel
+(254 steps across the largest |q s| the block can hold; bf16 keeps 2^-9 of each |q s|). The
 pseudo-max, which sets the threshold, scores with q*scale split into bf16 hi + lo parts plus
 q.residual with q*scale/R rounded to bf16 (~fp32-accurate, so selection matches the torch rule). A
 kept block's softmax scores are bf16(q*scale) . bf16(code - 1.5 + r/R) per plane: the refined key
@@ -147,25 +149,19 @@ REFINED_ASM_1: tl.constexpr = tl.constexpr(refined_plane_asm(1))
 REFINED_ASM_2: tl.constexpr = tl.constexpr(refined_plane_asm(2))
 REFINED_ASM_3: tl.constexpr = tl.constexpr(refined_plane_asm(3))
 
-SCAN_STEP = (1.0, 4.0, 16.0, 16.0)   # the scan's code plane j is bf16(128 + SCAN_STEP[j] * code)
-
-
 def scan_plane_asm(j: int) -> str:
-    """PTX: four packed code bytes ($2) -> code plane j as two bf16x2 ($0, $1) of 128 + f_j * code,
-    f_j = SCAN_STEP[j].
+    """PTX: four packed code bytes ($1) -> code plane j as four int8 lanes ($0), the codes 0..3
+    themselves: (bytes >> 2j) & 0x03030303, one or two integer instructions per four codes (the bf16
+    planes of `plane_asm` take four). The int8 MMA takes them as they are; the scan subtracts
+    1.5 * sum(q side) after the dot, which leaves the exact levels code - 1.5."""
+    shift = f"shr.b32 t, $1, {2 * j}; " if j else "mov.b32 t, $1; "
+    return "{ .reg .b32 t; " + shift + "and.b32 $0, t, 0x03030303; }"
 
-    prmt spreads bytes 0, 1 (and 2, 3) into the low bytes of two 16-bit lanes; one lop3 per lane,
-    (t & mask_j) | 0x4300, drops the plane's two bits into the mantissa of bf16(128) (plane 3 first
-    moves down 2 bits, since bit 7 is the exponent's). The two prmt are the same for all four planes,
-    so the compiler keeps one pair: about 0.75 integer instructions per code, half of `plane_asm`'s.
-    The scan subtracts (128 + 1.5 f_j) * sum(q side) after the dot; the refined scores keep the
-    exact levels (`plane_asm`), because the offset costs fp32 accumulation bits the logits need.
-    """
-    shift = "shr.b32 t, t, 2; " if j == 3 else ""
-    mask = 0x00030003 << (2 * j) if j < 3 else 0x00300030
-    lane = lambda sel, out: f"prmt.b32 t, $2, 0, {sel}; {shift}lop3.b32 {out}, t, m, c, 0xEA; "
-    return ("{ .reg .b32 t, m, c; " + f"mov.b32 m, {mask:#x}; mov.b32 c, 0x43004300; "
-            + lane("0x4140", "$0") + lane("0x4342", "$1") + "}")
+
+# 1.5 * 2^23 added to |x| < 2^22 (fp32) leaves round(x) (to nearest even) in the low mantissa bits
+INT_ROUND: tl.constexpr = tl.constexpr(12582912.0)
+INT_ROUND_BITS: tl.constexpr = tl.constexpr(0x4B400000)   # the bits of INT_ROUND itself
+INT8_Q_MAX: tl.constexpr = tl.constexpr(127.0)   # the scan's int8 q side spans [-127, 127]
 
 
 PLANE_ASM_0: tl.constexpr = tl.constexpr(plane_asm(0))
@@ -176,10 +172,6 @@ SCAN_ASM_0: tl.constexpr = tl.constexpr(scan_plane_asm(0))
 SCAN_ASM_1: tl.constexpr = tl.constexpr(scan_plane_asm(1))
 SCAN_ASM_2: tl.constexpr = tl.constexpr(scan_plane_asm(2))
 SCAN_ASM_3: tl.constexpr = tl.constexpr(scan_plane_asm(3))
-SCAN_F0: tl.constexpr = tl.constexpr(SCAN_STEP[0])
-SCAN_F1: tl.constexpr = tl.constexpr(SCAN_STEP[1])
-SCAN_F2: tl.constexpr = tl.constexpr(SCAN_STEP[2])
-SCAN_F3: tl.constexpr = tl.constexpr(SCAN_STEP[3])
 
 
 # ----- decode: shared pieces ---------------------------------------------------------------------
@@ -215,22 +207,27 @@ def _load_residual(RES, qbase, BS: tl.constexpr, D: tl.constexpr, D4: tl.constex
 
 
 @triton.jit
-def _plane_bits(byte, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[byte], dtype=tl.bfloat16, is_pure=True,
-                                     pack=4)
+def _plane_bits(byte, ASM: tl.constexpr, INT8: tl.constexpr):
+    """Four codes per PTX string: as bf16 in two registers, or (INT8) as int8 lanes in one."""
+    if INT8:
+        return tl.inline_asm_elementwise(asm=ASM, constraints="=r,r", args=[byte], dtype=tl.int8, is_pure=True,
+                                         pack=4)
+    else:
+        return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[byte], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
 
 
 @triton.jit
 def _plane_of(byte, j: tl.constexpr, ASM_0: tl.constexpr, ASM_1: tl.constexpr, ASM_2: tl.constexpr,
-              ASM_3: tl.constexpr):
+              ASM_3: tl.constexpr, INT8: tl.constexpr):
     """Plane j of a uint8 code tile through the j-th of four PTX strings (a constexpr choice)."""
     if j == 0:
-        return _plane_bits(byte, ASM_0)
+        return _plane_bits(byte, ASM_0, INT8)
     if j == 1:
-        return _plane_bits(byte, ASM_1)
+        return _plane_bits(byte, ASM_1, INT8)
     if j == 2:
-        return _plane_bits(byte, ASM_2)
-    return _plane_bits(byte, ASM_3)
+        return _plane_bits(byte, ASM_2, INT8)
+    return _plane_bits(byte, ASM_3, INT8)
 
 
 @triton.jit
@@ -240,7 +237,7 @@ def _code_plane(byte, j: tl.constexpr, UPCAST: tl.constexpr):
     GPU: bf16 built from the bits (`plane_asm`); interpreter: fp32 arithmetic, same values."""
     if UPCAST:
         return ((byte.to(tl.int32) >> (2 * j)) & 3).to(tl.float32) - 1.5
-    return _plane_of(byte, j, PLANE_ASM_0, PLANE_ASM_1, PLANE_ASM_2, PLANE_ASM_3)
+    return _plane_of(byte, j, PLANE_ASM_0, PLANE_ASM_1, PLANE_ASM_2, PLANE_ASM_3, False)
 
 
 @triton.jit
@@ -516,24 +513,36 @@ def _load_qt_plane(Q, b, hk, stride_qb, stride_qh, j: tl.constexpr, GROUP: tl.co
 
 
 @triton.jit
-def _scan_plane(byte, j: tl.constexpr):
-    """Code plane j of a uint8 code tile as bf16(128 + SCAN_STEP[j] * code) (`scan_plane_asm`; GPU only)."""
-    return _plane_of(byte, j, SCAN_ASM_0, SCAN_ASM_1, SCAN_ASM_2, SCAN_ASM_3)
+def _scan_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, SCAN_N: tl.constexpr, D4: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """The scan's q side of KV head hk: four transposed planes [D/4, SCAN_N] and q_unit [SCAN_N].
+    GPU: each row divided by q_unit = max |q row| / 127, so |q / q_unit| <= 127 (the int8 range of
+    `_scan_block_max`); interpreter: q itself and q_unit = 1."""
+    qa0 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 0, GROUP, SCAN_N, D4)
+    qa1 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 1, GROUP, SCAN_N, D4)
+    qa2 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 2, GROUP, SCAN_N, D4)
+    qa3 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 3, GROUP, SCAN_N, D4)
+    q_unit = tl.full([SCAN_N], 1.0, tl.float32)
+    if not UPCAST:
+        q_unit = tl.maximum(tl.maximum(tl.max(tl.abs(qa0), 0), tl.max(tl.abs(qa1), 0)),
+                            tl.maximum(tl.max(tl.abs(qa2), 0), tl.max(tl.abs(qa3), 0))) / INT8_Q_MAX
+        inv = 1.0 / tl.maximum(q_unit, 1e-30)          # zero rows (padding) stay zero
+        qa0, qa1, qa2, qa3 = qa0 * inv[None, :], qa1 * inv[None, :], qa2 * inv[None, :], qa3 * inv[None, :]
+    return qa0, qa1, qa2, qa3, q_unit
 
 
 @triton.jit
-def _scan_term(raw, offset, byte, qt, s, j: tl.constexpr, F: tl.constexpr, UPCAST: tl.constexpr):
-    """raw + plane j [BPP, BS, D/4] x (q_j * s_j) [BPP, D/4, SCAN_N]: the tokens are the dot's M
-    and the query rows its N. GPU: the plane is 128 + F * code (`scan_plane_asm`) against
-    hi = bf16(q_j * s_j) / F (exact: F is a power of two), and `offset` collects the elementwise
-    (128 + 1.5 F) * hi that the caller sums and subtracts, which leaves bf16(q s) . (code - 1.5).
-    Interpreter: the exact levels in fp32."""
-    qs = qt[None, :, :] * s[:, :, None]
-    if UPCAST:
-        return tl.dot(_code_plane(byte, j, UPCAST), qs, raw, input_precision="ieee"), offset
-    hi = (qs * (1.0 / F)).to(tl.bfloat16)
-    offset += hi.to(tl.float32) * (128.0 + 1.5 * F)
-    return tl.dot(_scan_plane(byte, j), hi, raw), offset
+def _scan_plane(byte, j: tl.constexpr):
+    """Code plane j of a uint8 code tile as int8 lanes 0..3 (`scan_plane_asm`; GPU only)."""
+    return _plane_of(byte, j, SCAN_ASM_0, SCAN_ASM_1, SCAN_ASM_2, SCAN_ASM_3, True)
+
+
+@triton.jit
+def _int8_q_side(qt, sn):
+    """round(qt * sn) [BPP, D/4, SCAN_N] (|qt * sn| <= 127) as int8 and as int32: one fma adds
+    INT_ROUND, the rounded value is the low bits (no conversion instruction)."""
+    v = (qt[None, :, :] * sn[:, :, None] + INT_ROUND).to(tl.int32, bitcast=True) - INT_ROUND_BITS
+    return v.to(tl.int8), v
 
 
 @triton.jit
@@ -557,7 +566,7 @@ def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.const
 
 
 @triton.jit
-def _scan_block_max(qt0, qt1, qt2, qt3, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
+def _scan_block_max(qt0, qt1, qt2, qt3, q_unit, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
                     NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                     D4: tl.constexpr, UPCAST: tl.constexpr):
     """Each row's 2-bit block max (log2 units) [BPP, SCAN_N] of the BPP blocks `blks`.
@@ -565,15 +574,34 @@ def _scan_block_max(qt0, qt1, qt2, qt3, CODES, SCALES, bt_row, blks, ok, hk, sca
     q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
     transposed: [BS, D/4] x [D/4, SCAN_N] per plane, so the MMA pads the G query rows to 8, not 16,
     and the codes are the A operand, which the compiler expands in registers. The max over tokens is
-    taken before the (monotone) scaling: same result, 1/BS of the work."""
+    taken before the (monotone) scaling: same result, 1/BS of the work.
+
+    GPU: int8 MMA (m16n8k32: four codes per register, one K-step per plane). The codes are int8
+    lanes 0..3 (`scan_plane_asm`); the q side is round(q' s / s_max), q' = q / q_unit
+    (`_scan_rows_q`) and s_max the block's largest channel scale, so it is within [-127, 127]. The
+    int32 dot minus 1.5 * the sum of the rounded q side is exactly the level dot of the rounded q
+    side, scaled back by q_unit * s_max. Interpreter: the exact levels in fp32 (q_unit = 1)."""
     s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
-    raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                             # q.k over [BPP, tokens, rows]
-    offset = tl.zeros([BPP, D4, SCAN_N], tl.float32)
-    raw, offset = _scan_term(raw, offset, byte, qt0, s0, 0, SCAN_F0, UPCAST)
-    raw, offset = _scan_term(raw, offset, byte, qt1, s1, 1, SCAN_F1, UPCAST)
-    raw, offset = _scan_term(raw, offset, byte, qt2, s2, 2, SCAN_F2, UPCAST)
-    raw, offset = _scan_term(raw, offset, byte, qt3, s3, 3, SCAN_F3, UPCAST)
-    return (tl.max(raw, 1) - tl.sum(offset, 1)) * scale_log2
+    if UPCAST:
+        raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                         # q.k over [BPP, tokens, rows]
+        raw = tl.dot(_code_plane(byte, 0, UPCAST), qt0[None, :, :] * s0[:, :, None], raw, input_precision="ieee")
+        raw = tl.dot(_code_plane(byte, 1, UPCAST), qt1[None, :, :] * s1[:, :, None], raw, input_precision="ieee")
+        raw = tl.dot(_code_plane(byte, 2, UPCAST), qt2[None, :, :] * s2[:, :, None], raw, input_precision="ieee")
+        raw = tl.dot(_code_plane(byte, 3, UPCAST), qt3[None, :, :] * s3[:, :, None], raw, input_precision="ieee")
+        return tl.max(raw, 1) * scale_log2
+    s_max = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+    inv = 1.0 / tl.maximum(s_max, 1e-30)                                       # [BPP]; masked blocks: s = 0
+    i0, v0 = _int8_q_side(qt0, s0 * inv[:, None])
+    i1, v1 = _int8_q_side(qt1, s1 * inv[:, None])
+    i2, v2 = _int8_q_side(qt2, s2 * inv[:, None])
+    i3, v3 = _int8_q_side(qt3, s3 * inv[:, None])
+    acc = tl.zeros([BPP, BS, SCAN_N], tl.int32)
+    acc = tl.dot(_scan_plane(byte, 0), i0, acc, out_dtype=tl.int32)
+    acc = tl.dot(_scan_plane(byte, 1), i1, acc, out_dtype=tl.int32)
+    acc = tl.dot(_scan_plane(byte, 2), i2, acc, out_dtype=tl.int32)
+    acc = tl.dot(_scan_plane(byte, 3), i3, acc, out_dtype=tl.int32)
+    twice = 2 * tl.max(acc, 1) - 3 * tl.sum(v0 + v1 + v2 + v3, 1)             # 2 (dot - 1.5 sum): exact
+    return twice.to(tl.float32) * (0.5 * s_max)[:, None] * q_unit[None, :] * scale_log2
 
 
 @triton.jit
@@ -665,17 +693,14 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
         bmax_row = BMAX + row * max_blocks * SCAN_N
         if prog < steps:
             if TOKENS_AS_M:
-                qa0 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 0, GROUP, SCAN_N, D4)
-                qa1 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 1, GROUP, SCAN_N, D4)
-                qa2 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 2, GROUP, SCAN_N, D4)
-                qa3 = _load_qt_plane(Q, b, hk, stride_qb, stride_qh, 3, GROUP, SCAN_N, D4)
+                qa0, qa1, qa2, qa3, q_unit = _scan_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, SCAN_N, D4, UPCAST)
             else:
                 qa0, qa1, qa2, qa3 = _load_q_planes(Q, b, hk, stride_qb, stride_qh, GROUP, SCAN_N, D4, UPCAST)
             for step in range(prog, steps, programs):
                 blks = step * BPP + tl.arange(0, BPP)
                 ok = blks < nq
                 if TOKENS_AS_M:
-                    bmax = _scan_block_max(qa0, qa1, qa2, qa3, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
+                    bmax = _scan_block_max(qa0, qa1, qa2, qa3, q_unit, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
                                            BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
                 else:
                     bmax = _scan_block_max_rows(qa0, qa1, qa2, qa3, CODES, SCALES, bt_row, blks, ok, hk,

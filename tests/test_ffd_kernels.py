@@ -3,14 +3,15 @@ quantize-on-write bit-exact, δ = ∞ equal to dense attention over the refined 
 equal to the reference's, every block visited at 0..257 blocks, tails 0, 1, BS-1, GQA 1/3/4/7,
 head_dim 64 and 128, "auto" rows dense, sparsity counters; the attend pass's split invariants
 (every kept block attended exactly once at any split count, long flag rows); the GPU-only PTX
-(code levels, the scan's offset levels, e4m3 bits, the refined key planes) emulated bit for bit;
+(code levels, the scan's int8 code lanes and arithmetic, e4m3 bits, the refined key planes) emulated;
 the scan's instruction mix compiled for sm_90 (`tests/scan_sass.py`); the attend's residency read from
 the compiled kernel (GPU).
 
 Tolerances: the interpreter computes in fp32 (UPCAST), so outputs match the fp32 reference to
-1e-5 and masks exactly. Compiled on a GPU the dots take bf16 operands (~1e-3 relative): outputs
-are checked to a relative L2 error of 1e-2 (printed), and a block whose 2-bit max sits within
-bf16 rounding of its threshold may flip, so a few mask differences are allowed (and printed).
+1e-5 and masks exactly. Compiled on a GPU the dots take bf16 operands (~1e-3 relative) and the
+scan an int8 q side (steps of 1/127 of its largest term): outputs are checked to a relative L2 error
+of 1e-2 (printed), and a block whose 2-bit max sits within that rounding of its threshold may flip,
+so a few mask differences are allowed (and printed).
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ import torch
 
 import kernels.ffd as ffd_mod
 from kernels.ffd import (
+    INT8_Q_MAX,
+    INT_ROUND,
+    INT_ROUND_BITS,
     RES_BITS_EXP,
     RES_Q_SCALE,
     RES_UNSCALE,
-    SCAN_STEP,
     attend_slots,
     ffd_decode,
     ffd_sync_buffer,
@@ -484,30 +487,48 @@ def _some_words():
 
 
 @pytest.mark.parametrize("j", [0, 1, 2, 3])
-def test_scan_plane_ptx_gives_128_plus_step_times_code(j):
-    """scan_plane_asm(j): bf16 of 128 + SCAN_STEP[j] * code, code = bits 2j, 2j + 1 of each byte, in
-    byte order (elements 0, 1 in $0, 2, 3 in $1)."""
+def test_scan_plane_ptx_gives_the_codes_as_int8_lanes(j):
+    """scan_plane_asm(j): byte i of the result is the code in bits 2j, 2j + 1 of byte i (0..3)."""
     for w in _some_words():
-        regs = run_ptx(scan_plane_asm(j), {"$2": w})
-        got = _bf16_of_bits([regs["$0"], regs["$1"]])
-        codes = torch.tensor([(w >> (8 * i + 2 * j)) & 3 for i in range(4)], dtype=torch.float32)
-        assert torch.equal(got, 128.0 + SCAN_STEP[j] * codes), (j, hex(w), got, codes)
+        got = run_ptx(scan_plane_asm(j), {"$1": w})["$0"]
+        assert [(got >> (8 * i)) & 0xFF for i in range(4)] == [(w >> (8 * i + 2 * j)) & 3 for i in range(4)], hex(w)
 
 
-def test_scan_offset_leaves_the_exact_level_dot():
-    """What the scan computes, in float64 (exact for these operands): per plane, hi = bf16(q s) / f
-    dotted with 128 + f * code, minus (128 + 1.5 f) * sum(hi), is bf16(q s) . (code - 1.5)."""
+def _scan_int8_block_max(codes, q, s):
+    """The GPU scan's arithmetic in torch: codes [4 planes, tokens, D/4], q [4, D/4, rows] (fp32),
+    s [4, D/4] -> each row's block max (float64), 2 acc - 3 sum (the kernel's integers) and the rounded
+    q side."""
+    q_unit = q.abs().amax((0, 1)) / INT8_Q_MAX.value                                   # [rows]
+    qn = q * (1.0 / q_unit.clamp_min(1e-30))                                           # |qn| <= 127
+    s_max = s.max()
+    f = (qn * (s * (1.0 / s_max))[:, :, None] + INT_ROUND.value).float()              # fp32, as the GPU
+    v = f.view(torch.int32).long() - INT_ROUND_BITS.value                               # the rounded q side
+    acc = sum(codes[j].long() @ v[j] for j in range(4))                                # the int8 MMA, exact
+    twice = 2 * acc.max(0).values - 3 * v.sum((0, 1))
+    return twice.double() * 0.5 * float(s_max) * q_unit.double(), twice, v
+
+
+def test_scan_int8_arithmetic_is_the_level_dot_of_the_rounded_q_side():
+    """The int8 scan, emulated: the q side stays within [-127, 127]; (2 acc - 3 sum) / 2 * u is
+    exactly the level dot (code - 1.5) of the rounded q side (float64); its error against the exact
+    fp64 block max is at most sum over channels |level| * u / 2 per row (u = q_unit * s_max), here
+    with outlier channels, q from 1e-3 to 1e3 and a zero row (padding)."""
     gen = torch.Generator().manual_seed(4)
     for mag in (1e-3, 1.0, 1e3):
-        codes = torch.randint(0, 4, (4, 128, 32), generator=gen).double()          # [plane, tokens, D/4]
-        qs = torch.randn(4, 32, 5, generator=gen) * mag                            # [plane, D/4, rows]
-        q_bf16 = qs.to(torch.bfloat16).double()
-        want = sum((codes[j] - 1.5) @ q_bf16[j] for j in range(4))
-        got = torch.zeros_like(want)
-        for j, f in enumerate(SCAN_STEP):
-            hi = (qs[j] / f).to(torch.bfloat16).double()
-            got += (128.0 + f * codes[j]) @ hi - (128.0 + 1.5 * f) * hi.sum(0)
-        assert torch.equal(got, want)
+        codes = torch.randint(0, 4, (4, 128, 32), generator=gen)                       # [plane, tokens, D/4]
+        q = torch.randn(4, 32, 5, generator=gen) * mag
+        q[:, :, 4] = 0.0
+        s = torch.rand(4, 32, generator=gen) + 0.05
+        s[0, :3] *= 20.0                                                               # outlier channels
+        got, twice, v = _scan_int8_block_max(codes, q, s)
+        assert int(v.abs().max()) <= 127
+        u = (q.abs().amax((0, 1)) / 127.0).double() * float(s.max())
+        levels = codes.double() - 1.5
+        assert torch.equal(twice.double(), 2 * sum(levels[j] @ v[j].double() for j in range(4)).max(0).values)
+        exact = sum(levels[j] @ (q[j].double() * s[j].double()[:, None]) for j in range(4)).max(0).values
+        bound = 0.5 * u * 1.5 * 128 * (1 + 1e-6)
+        assert ((got - exact).abs() <= bound).all(), (mag, (got - exact).abs() / u)
+        assert got[4] == 0.0
 
 
 def test_residual_ptx_is_e4m3_times_2_pow_minus_120():
@@ -558,12 +579,13 @@ def test_residual_dot_scaling_keeps_the_product():
 # ----- the scan's instruction mix, compiled for sm_90 on the CPU ----------------------------------
 
 @pytest.mark.parametrize("group", [4, 7])
-def test_scan_loop_does_half_the_mma_and_under_one_integer_op_per_code(group):
-    """At head_dim 128 one scan step (BPP blocks on SCAN_WARPS warps) has the tokens as the MMA's M:
-    per warp BPP / SCAN_WARPS * 4 planes * 8 M-tiles * 2 K-steps HMMA (query rows padded to 8; as
-    rows padded to 16 it was twice that), and building the operands costs under one PRMT / LOP3 /
-    SHF per code (it was ~1.2). Compiled by Triton for sm_90 in a child process (the tests
-    themselves run under the interpreter), counted with the cuobjdump Triton ships."""
+def test_scan_loop_is_int8_mma_and_about_half_an_integer_op_per_code(group):
+    """At head_dim 128 one scan step (BPP blocks on SCAN_WARPS warps) has the tokens as the MMA's M
+    and int8 operands: per warp BPP / SCAN_WARPS * 4 planes * 8 M-tiles * 1 K-step IMMA (m16n8k32,
+    query rows padded to 8) and no HMMA, and building the operands costs about half a PRMT / LOP3 /
+    SHF per code (the bf16 form took ~0.76, as rows ~1.2). Compiled by Triton for sm_90 in a child
+    process (the tests themselves run under the interpreter), counted with the cuobjdump Triton
+    ships."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.scan_sass", "128", str(group)], capture_output=True,
                          text=True, env=env, cwd=Path(__file__).resolve().parent.parent, check=False)
@@ -573,5 +595,5 @@ def test_scan_loop_does_half_the_mma_and_under_one_integer_op_per_code(group):
     ops = json.loads(run.stdout)
     bpp = ffd_mod.SCAN_BLOCKS_PER_STEP
     codes_per_thread = bpp * 128 * 128 // (ffd_mod.SCAN_WARPS * 32)
-    assert ops["HMMA"] <= bpp * 4 * 8 * 2 // ffd_mod.SCAN_WARPS, ops
-    assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < codes_per_thread, ops
+    assert ops["IMMA"] <= bpp * 4 * 8 // ffd_mod.SCAN_WARPS and "HMMA" not in ops, ops
+    assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < 0.55 * codes_per_thread, ops
