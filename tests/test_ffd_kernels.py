@@ -335,19 +335,22 @@ def test_many_lengths_in_one_batch():
     assert not out[0].any()                                           # an empty sequence reads as 0
 
 
-def test_scan_grid_size_changes_nothing(monkeypatch):
-    """The scan's programs walk their blocks in a grid-stride loop: 1 or 64 programs per SM give the
-    same bits (output and block masks)."""
+def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
+    """The scan's programs walk their blocks in a grid-stride loop, and decide them DECIDE_CHUNK steps
+    at a time: 1 or 64 programs per SM, and chunks of 64 or of 4 steps (at 1 per SM, 35 steps per
+    program: nine chunks), give the same bits (output and block masks)."""
     bs = 64
     lens = [70 * bs + 5, 9 * bs, 2 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=9))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
     results = []
-    for per_sm in (1, 64):
+    for per_sm, chunk in ((1, 64), (64, 64), (1, 4)):
         monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setattr(ffd_mod, "DECIDE_CHUNK", chunk)
         masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
         results.append((run(case, p, masks=masks), masks))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for out, masks in results[1:]:
+        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
     assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
 
 
