@@ -79,7 +79,7 @@ class BlockManager:
         has a position to sample from. Returns the number of tokens reused.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:   # those need every position's logits
             return 0
         max_blocks = (len(seq) - 1) // self.block_size
         self.prefix_cache_queries += max_blocks * self.block_size

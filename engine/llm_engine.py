@@ -45,6 +45,10 @@ class _Request:
     choices: list[_Choice]
     num_prompt_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
+    sent_prompt_logprobs: bool = False
+
+
+PROMPT_LOGITS_ROWS = 256   # prompt positions turned into [rows, vocab] logits at once (prompt logprobs)
 
 
 def _model_context_len(hf_config) -> int:
@@ -166,7 +170,8 @@ class LLMEngine:
             bad = lowest if lowest < 0 else highest
             raise SamplingParamsError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
         # max_new_tokens is both the default and the cap; the context limit is enforced per step.
-        params.max_tokens = min(params.max_tokens or self.max_new_tokens, self.max_new_tokens)
+        params.max_tokens = self.max_new_tokens if params.max_tokens is None else min(params.max_tokens,
+                                                                                       self.max_new_tokens)
         choices = []
         for index in range(params.n):
             seq = Sequence(request_id, prompt_token_ids, params, choice_index=index, arrival_time=time.monotonic())
@@ -208,6 +213,7 @@ class LLMEngine:
             self._append_placeholders(self.in_flight)
             return []
         logits, sampled, counters = self.runner.execute(out.scheduled)
+        self._record_prompt_logprobs()
         self.num_forwarded_tokens += out.num_batched_tokens
         for seq in out.scheduled:
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -220,6 +226,19 @@ class LLMEngine:
                 self._on_token(seq, result)
                 touched[seq.request_id] = self.requests[seq.request_id]
         return [self._collect(r) for r in touched.values()]
+
+    def _record_prompt_logprobs(self) -> None:
+        """Score the prompt tokens the last forward predicted, for sequences that ask (a recomputed
+        prefix after preemption is not scored twice)."""
+        for part in self.runner.prompt_hidden:
+            seq, k = part.seq, part.seq.params.prompt_logprobs
+            for lo in range(0, part.hidden.shape[0], PROMPT_LOGITS_ROWS):
+                logits = self.runner.model.compute_logits(part.hidden[lo:lo + PROMPT_LOGITS_ROWS])
+                first = part.first + lo
+                targets = seq.token_ids[first:first + logits.shape[0]]
+                for pos, entry in enumerate(self.sampler.token_logprobs(logits, targets, k), start=first):
+                    if pos == len(seq.prompt_logprobs):
+                        seq.prompt_logprobs.append(entry)
 
     def _add_counters(self, counters: dict[str, float]) -> None:
         for key, value in counters.items():
@@ -246,6 +265,7 @@ class LLMEngine:
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
         logits, sampled, counters = self.runner.execute(seqs, input_ids)
         assert len(sampled) == len(seqs), "every row of an overlapped decode step samples"
+        assert not self.runner.prompt_hidden, "an overlapped step scores no prompt token"
         tokens, logprobs = self.sampler.sample_on_device(logits, seqs)
         host, ready = copy_to_host([tokens, *(logprobs or [])])
         self.num_forwarded_tokens += len(seqs)
@@ -310,6 +330,9 @@ class LLMEngine:
 
     def _on_token(self, seq: Sequence, result) -> None:
         params = seq.params
+        if params.max_tokens == 0:   # the prompt only scored: the prefill's sample is not output
+            self._finish(seq, FinishReason.LENGTH)
+            return
         seq.append_token(result.token_id)
         self.num_generated_tokens += 1
         if result.logprob is not None:
@@ -327,14 +350,25 @@ class LLMEngine:
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         """max_tokens generated, or the context (model or KV capacity) full."""
-        return (seq.num_output_tokens >= (seq.params.max_tokens or self.max_new_tokens)
+        limit = self.max_new_tokens if seq.params.max_tokens is None else seq.params.max_tokens
+        return (seq.num_output_tokens >= limit
                 or (seq.max_total_tokens is not None and len(seq) >= seq.max_total_tokens))
 
     def _choice_of(self, seq: Sequence) -> _Choice:
         return self.requests[seq.request_id].choices[seq.choice_index]
 
     def _collect(self, request: _Request) -> RequestOutput:
-        """Deltas since the last report; drops the request once every choice has been reported finished."""
+        """Deltas since the last report; drops the request once every choice has been reported finished.
+        With prompt logprobs asked for, nothing is reported before they are all computed, and the first
+        report carries them."""
+        first = request.choices[0].seq
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None and not request.sent_prompt_logprobs:
+            if first.needs_prompt_logprobs and not first.is_finished:
+                return RequestOutput(request.request_id, [], request.num_prompt_tokens, first.num_cached_tokens,
+                                     sum(c.seq.num_output_tokens for c in request.choices), False)
+            prompt_logprobs = list(first.prompt_logprobs)
+            request.sent_prompt_logprobs = True
         deltas = []
         for choice in request.choices:
             seq = choice.seq
@@ -363,11 +397,11 @@ class LLMEngine:
         finished = all(c.reported_finish for c in request.choices)
         if finished:
             self.requests.pop(request.request_id, None)
-        first = request.choices[0].seq
         return RequestOutput(
             request_id=request.request_id, deltas=deltas, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
-            num_output_tokens=sum(c.seq.num_output_tokens for c in request.choices), finished=finished)
+            num_output_tokens=sum(c.seq.num_output_tokens for c in request.choices), finished=finished,
+            prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -41,6 +41,19 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
     sampled_seqs: list[Sequence]  # the sequences those rows belong to
+    # (sequence, first prompt position predicted, rows lo, hi): prefill rows whose logits score the
+    # next prompt token (`Sequence.needs_prompt_logprobs`)
+    prompt_rows: list[tuple[Sequence, int, int, int]]
+
+
+@dataclass
+class PromptHidden:
+    """Final hidden states [n, hidden] of one sequence's prefill positions whose logits score prompt
+    tokens first .. first + n - 1 (the engine turns them into logits a slice at a time)."""
+
+    seq: Sequence
+    first: int
+    hidden: torch.Tensor
 
 
 class ModelRunner:
@@ -59,6 +72,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
+        self.prompt_hidden: list[PromptHidden] = []   # the last `execute`'s, for prompt logprobs
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         per_block, fixed = self.spec.bytes_per_block, 0
@@ -127,10 +141,14 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
         bs = self.block_size
         for seq in seqs:
             start = seq.num_computed_tokens
             end = start + seq.num_scheduled_tokens
+            scored = min(end, seq.num_prompt_tokens - 1) - start   # positions whose next token is prompt
+            if seq.needs_prompt_logprobs and scored > 0:
+                prompt_rows.append((seq, start + 1, len(input_ids), len(input_ids) + scored))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -156,7 +174,7 @@ class ModelRunner:
             is_decode_only=all(n == 1 for n in query_lens),
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), metadata,
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled)
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None
@@ -171,7 +189,10 @@ class ModelRunner:
             raise ValueError("input_ids replaces one token per sequence of a decode step")
         if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
             self.backend.begin_step(seqs)
-        if self.graphs is not None and decode:
+        self.prompt_hidden = []
+        scores_prompt = any(seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens
+                            for seq in seqs)
+        if self.graphs is not None and decode and not scores_prompt:
             replayed = self._replay(seqs, input_ids)
             if replayed is not None:
                 return replayed
@@ -180,6 +201,7 @@ class ModelRunner:
             step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):
             hidden = self.model(step.input_ids, step.metadata.positions)
+        self.prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
         if not step.sampled_seqs:
             return torch.empty(0), [], step.metadata.counters
         logits = self.model.compute_logits(hidden[step.logits_indices])

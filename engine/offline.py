@@ -27,6 +27,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt token, None first
 
     @property
     def text(self) -> str:
@@ -99,6 +100,8 @@ class LLM:
             for output in self.engine.step():
                 result = results[output.request_id]
                 result.num_cached_tokens = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    result.prompt_logprobs = output.prompt_logprobs
                 for delta in output.deltas:
                     choice = result.outputs[delta.index]
                     choice.text += delta.text

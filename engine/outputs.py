@@ -29,6 +29,8 @@ class RequestOutput:
     num_output_tokens: int  # summed over choices, so far
     finished: bool
     error: str | None = None
+    # prompt token t's logprob at index t (None for the first), in the first report that has them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -91,6 +91,13 @@ class Sampler:
                 found[i] = TokenLogprob(token_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
         return [SampleResult(t, found.get(i)) for i, t in enumerate(token_ids)]
 
+    def token_logprobs(self, logits: Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+        """Logprob of token_ids[i] under row i of `logits` [N, V] (raw, as sampled tokens report
+        theirs) with the row's top k: prompt tokens scored in the prefill."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        chosen, top_v, top_i = (t.tolist() for t in _logprob_columns(logits[:, :self.vocab_size], ids, k))
+        return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_i, top_v)]
+
     @staticmethod
     def needs_history(params: SamplingParams) -> bool:
         """Whether sampling reads the sequence's earlier output (penalties, min_tokens, processors):
@@ -236,12 +243,18 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return None
-        logp = torch.log_softmax(_take(raw, rows).float(), dim=-1)
         ids = _take(token_ids, rows) if len(rows) == len(params) else token_ids[torch.tensor(rows, device=raw.device)]
-        chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
-        k = min(max(params[i].logprobs for i in rows), logp.shape[1])
-        top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        return [chosen, top_v, top_i]
+        return _logprob_columns(_take(raw, rows), ids, max(params[i].logprobs for i in rows))
+
+
+def _logprob_columns(raw: Tensor, ids: Tensor, k: int) -> list[Tensor]:
+    """[chosen [R], top values [R, k], top ids [R, k]]: log-softmax of raw logits rows [R, V] at
+    token ids [R], and each row's k most likely tokens."""
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    k = min(k, logp.shape[1])
+    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    return [chosen, top_v, top_i]
 
 
 def _take(t: Tensor, rows: list[int]) -> Tensor:

@@ -36,6 +36,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k
+    # None: off; k >= 0: each prompt token's logprob (the first has none) plus top-k, computed in the
+    # prefill, which then takes no prefix-cache hits (max_tokens = 0: the prompt is only scored)
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -64,9 +67,11 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0", "max_tokens"),
             (self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]",
+             "prompt_logprobs"),
             (len(self.stop) <= 16, "at most 16 stop sequences are allowed", "stop"),
         ]
         for ok, message, param in checks:

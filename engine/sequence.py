@@ -54,6 +54,9 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks whose hashes the block manager has published
         self.logprobs: list[TokenLogprob] = []
+        # prompt token t's logprob at index t (the first token has none); only choice 0 computes them
+        self.prompt_logprobs: list[TokenLogprob | None] = \
+            [None] if params.prompt_logprobs is not None and choice_index == 0 else []
         self.arrival_time = arrival_time
         self.num_preemptions = 0
         self.max_total_tokens: int | None = None  # context cap set by the engine
@@ -72,6 +75,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: its prefill takes no cache hits."""
+        return 0 < len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -66,9 +66,12 @@ class CompletionRun:
         prompts = self._prompts()
         longest = max(len(p) for p in prompts)
         max_tokens = max_tokens_for(req.max_tokens, "max_tokens", longest, engine.max_context_len,
-                                    engine.max_new_tokens, DEFAULT_MAX_TOKENS)
-        params = build_params(req, engine=engine, max_tokens=max_tokens, logprobs=req.logprobs,
-                              rename={"top_logprobs": "logprobs"})
+                                    engine.max_new_tokens, DEFAULT_MAX_TOKENS, allow_zero=bool(req.echo),
+                                    zero_hint="only with echo, which scores the prompt")
+        # echo with logprobs: the prompt's tokens get theirs too, as OpenAI's legacy endpoint gives them
+        scored = {"prompt_logprobs": req.logprobs} if req.echo and req.logprobs is not None else None
+        params = build_params(req, engine=engine, max_tokens=max_tokens, logprobs=req.logprobs, extra=scored,
+                              rename={"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"})
         processors = await constraint_processors(engine, req.response_format)
         if processors:
             params.logits_processors = processors
@@ -84,14 +87,18 @@ class CompletionRun:
         n = gen.params.n
         trackers: dict[int, CompletionLogprobs] = {}
         echoed: set[int] = set()
+        prompt_logprobs: dict[int, list] = {}
         async for prompt_index, out in gen.outputs():
+            if out.prompt_logprobs is not None:   # in the first report with deltas (the engine holds them)
+                prompt_logprobs[prompt_index] = out.prompt_logprobs
             for delta in out.deltas:
                 index = prompt_index * n + delta.index
                 failure = choice_error(delta, out.error) if delta.finish_reason else None
                 if failure is not None:
                     raise failure
                 text = delta.text
-                if self.req.echo and index not in echoed:
+                echo = self.req.echo and index not in echoed
+                if echo:
                     echoed.add(index)
                     text = self.prompt_texts[prompt_index] + text
                 logprobs = None
@@ -99,8 +106,11 @@ class CompletionRun:
                     if index not in trackers:   # text_offset counts in the returned text, echo included
                         start = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
                         trackers[index] = CompletionLogprobs(self.state.token_texts, offset=start)
-                    tracker = trackers[index]
-                    logprobs = tracker.piece(delta.logprobs)
+                    logprobs = trackers[index].piece(delta.logprobs)
+                    if echo:   # the prompt's tokens first, text_offset from the start of the text
+                        scored = CompletionLogprobs(self.state.token_texts).tokens_piece(
+                            gen.prompts[prompt_index], prompt_logprobs[prompt_index])
+                        logprobs = merge_completion_logprobs([scored, logprobs])
                 yield index, text, logprobs, delta.finish_reason
 
     async def collect(self, gen: Generation) -> dict[str, Any]:

@@ -49,12 +49,17 @@ class CompletionLogprobs:
         self._offset = offset
 
     def piece(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        return self.tokens_piece([entry.token_id for entry in entries], entries)
+
+    def tokens_piece(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, Any]:
+        """Tokens with their entries; a token without one (an echoed prompt's first) gets null, as
+        OpenAI reports it."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for entry in entries:
-            token = self._texts(entry.token_id)
+        for token_id, entry in zip(token_ids, entries):
+            token = self._texts(token_id)
             tokens.append(token)
-            token_logprobs.append(_finite(entry.logprob))
-            tops.append({self._texts(i): _finite(lp) for i, lp in entry.top})
+            token_logprobs.append(None if entry is None else _finite(entry.logprob))
+            tops.append(None if entry is None else {self._texts(i): _finite(lp) for i, lp in entry.top})
             offsets.append(self._offset)
             self._offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -9,15 +9,19 @@ from server.protocol import _SamplingFields
 
 
 def max_tokens_for(requested: int | None, param: str, num_prompt_tokens: int, max_context_len: int,
-                   max_new_tokens: int, default: int | None) -> int:
+                   max_new_tokens: int, default: int | None, allow_zero: bool = False, zero_hint: str = "") -> int:
     """The output budget: the request's value (or `default`, or the room left), capped by
     model.max_new_tokens and the context room. Too large a value is clamped, as vLLM does,
-    which suits agents that always send a big max_tokens; a prompt that leaves no room is a 400."""
+    which suits agents that always send a big max_tokens; a prompt that leaves no room is a 400.
+    `allow_zero`: 0 is a budget (the prompt is only scored); `zero_hint` tells an error when 0 is allowed."""
     room = max_context_len - num_prompt_tokens
     if room < 1:
         raise context_length_error(max_context_len, num_prompt_tokens)
+    if requested == 0 and allow_zero:
+        return 0
     if requested is not None and requested < 1:
-        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+        when = f" (0 {zero_hint})" if zero_hint else ""
+        raise bad_request(f"{param} must be at least 1{when}, got {requested}", param)
     wanted = requested if requested is not None else (default if default is not None else room)
     return max(1, min(wanted, max_new_tokens, room))
 

@@ -101,3 +101,47 @@ def test_profiling_forward_runs_and_releases_its_cache(tiny_dir):
     assert all(layer.k_cache is None for layer in runner.attention_layers)
     runner.allocate_kv_cache(num_blocks)
     assert llm.generate(prompts(2), GREEDY)[1].finish_reason == "length"
+
+
+def test_prompt_logprobs_score_a_continuation_as_generation_did(tiny_dir):
+    """prompt_logprobs: one entry per prompt token, None for the first. A greedy continuation scored as
+    part of the prompt gets the logprobs its generation reported (teacher forcing), from one prefill,
+    from 16-token chunks, and where the prefix cache holds the whole prompt (it is not used);
+    max_tokens = 0 scores without output."""
+    llm = make_llm(tiny_dir)
+    prompt = prompts(3)[2]                                                   # 31 tokens
+    gen = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
+    full = prompt + gen.token_ids
+    llm.generate(full, GREEDY)                                               # every full block of `full` cached
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    for scorer in (llm, make_llm(tiny_dir, max_num_batched_tokens=16)):
+        res = scorer.generate(full, scoring)[0]
+        assert res.token_ids == [] and res.finish_reason == "length" and res.num_cached_tokens == 0
+        scored = res.prompt_logprobs
+        assert len(scored) == len(full) and scored[0] is None
+        assert [e.token_id for e in scored[1:]] == full[1:]
+        assert all(e.logprob <= 0 and len(e.top) == 2 for e in scored[1:])
+        for entry, sampled in zip(scored[len(prompt):], gen.outputs[0].logprobs, strict=True):
+            assert entry.token_id == sampled.token_id
+            assert entry.logprob == pytest.approx(sampled.logprob, abs=1e-4)
+            assert [i for i, _ in entry.top] == [i for i, _ in sampled.top]
+    again = llm.generate(full, GREEDY)[0]                                    # plain requests still hit the cache
+    assert again.num_cached_tokens > 0
+
+
+def test_prompt_logprobs_survive_preemption(tiny_dir):
+    """Scoring requests in a cache too small for all of them at once: preempted and recomputed, each
+    prompt is scored once per position, as when scored alone."""
+    batch = [p + p for p in prompts(10)[4:]]                                 # 106 to 240 tokens
+    scoring = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    alone = [make_llm(tiny_dir).generate(p, scoring)[0] for p in batch]
+    small = LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=64, num_kv_blocks=20,
+                enable_prefix_caching=False)
+    together = small.generate(batch, scoring)
+    assert small.engine.scheduler.num_preemptions > 0
+    for t, a in zip(together, alone, strict=True):
+        assert len(t.prompt_logprobs) == len(a.prompt_logprobs) == len(t.prompt_token_ids)
+        assert [e.token_id for e in t.prompt_logprobs[1:]] == t.prompt_token_ids[1:]
+        for x, y in zip(t.prompt_logprobs[1:], a.prompt_logprobs[1:]):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert t.token_ids == a.token_ids

@@ -194,10 +194,15 @@ def test_completions_endpoint(client):
                                       extra_body={"ignore_eos": True})
     choice = reply.choices[0]
     assert choice.text.startswith("Hello") and choice.finish_reason == "length"
-    assert len(choice.logprobs.tokens) == 5 and len(choice.logprobs.top_logprobs[0]) == 2
+    # echo: the prompt's tokens first (the first without a logprob), then the 5 generated ones
+    num_prompt = reply.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == num_prompt + 5 and len(choice.logprobs.top_logprobs[-1]) == 2
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
     # offsets index the returned text, which starts with the echoed prompt
-    assert choice.logprobs.text_offset[0] == len("Hello")
-    assert all(choice.text[o:o + len(t)] == t for o, t in zip(choice.logprobs.text_offset, choice.logprobs.tokens))
+    generated = slice(num_prompt, None)
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset[generated][0] == len("Hello")
+    assert all(choice.text[o:o + len(t)] == t for o, t in zip(choice.logprobs.text_offset[generated],
+                                                              choice.logprobs.tokens[generated]))
     batch = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     chunks = list(client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=4, stream=True,
@@ -205,6 +210,38 @@ def test_completions_endpoint(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
 
+
+
+def test_completions_echo_scores_the_prompt(client, engine):
+    """echo + logprobs: the prompt's tokens come first with the logprobs and top entries the engine's
+    prompt_logprobs give them (the first null), text_offset from 0; max_tokens = 0 scores the prompt
+    alone, in a stream too. max_tokens = 0 without echo is a 400 naming max_tokens."""
+    from engine import LLM, SamplingParams
+    ids = [65, 66, 67, 68, 69, 70, 71, 72, 73]
+    offline = LLM(model=engine.config.model.name, block_size=16, cpu_kv_cache_bytes=16 << 20)
+    want = offline.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2))[0].prompt_logprobs
+    texts = [offline.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    choice, scored = reply.choices[0], reply.choices[0].logprobs
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 0
+    assert scored.tokens == texts and choice.text == offline.tokenizer.decode(ids)
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    assert scored.token_logprobs[1:] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
+    # top_logprobs is keyed by token text, as OpenAI's legacy format is (two ids may share a text)
+    assert [set(t) for t in scored.top_logprobs[1:]] == [{texts_of(offline, i) for i, _ in e.top} for e in want[1:]]
+    assert scored.text_offset == [sum(len(t) for t in texts[:k]) for k in range(len(ids))]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in streamed for t in p.tokens] == texts
+    assert [v for p in streamed for v in p.token_logprobs][1:] == pytest.approx(scored.token_logprobs[1:], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens" and "echo" in err.value.body["message"]
+
+
+def texts_of(llm, token_id):
+    return llm.tokenizer.decode([token_id], skip_special_tokens=False)
 
 def test_models_health_tokenize_and_both_prefixes(server):
     for base in (server.root, server.base_url):
