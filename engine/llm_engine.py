@@ -363,14 +363,14 @@ class LLMEngine:
         report carries them."""
         first = request.choices[0].seq
         prompt_logprobs = None
+        held = False
         if first.params.prompt_logprobs is not None and not request.sent_prompt_logprobs:
-            if first.needs_prompt_logprobs and not first.is_finished:
-                return RequestOutput(request.request_id, [], request.num_prompt_tokens, first.num_cached_tokens,
-                                     sum(c.seq.num_output_tokens for c in request.choices), False)
-            prompt_logprobs = list(first.prompt_logprobs)
-            request.sent_prompt_logprobs = True
+            held = first.needs_prompt_logprobs and not first.is_finished
+            if not held:
+                prompt_logprobs = list(first.prompt_logprobs)
+                request.sent_prompt_logprobs = True
         deltas = []
-        for choice in request.choices:
+        for choice in [] if held else request.choices:
             seq = choice.seq
             if choice.reported_finish:
                 continue

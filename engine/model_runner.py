@@ -146,9 +146,10 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_computed_tokens
             end = start + seq.num_scheduled_tokens
-            scored = min(end, seq.num_prompt_tokens - 1) - start   # positions whose next token is prompt
-            if seq.needs_prompt_logprobs and scored > 0:
-                prompt_rows.append((seq, start + 1, len(input_ids), len(input_ids) + scored))
+            if seq.needs_prompt_logprobs:
+                scored = min(end, seq.num_prompt_tokens - 1) - start   # positions whose next token is prompt
+                if scored > 0:
+                    prompt_rows.append((seq, start + 1, len(input_ids), len(input_ids) + scored))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -190,9 +191,8 @@ class ModelRunner:
         if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
             self.backend.begin_step(seqs)
         self.prompt_hidden = []
-        scores_prompt = any(seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens
-                            for seq in seqs)
-        if self.graphs is not None and decode and not scores_prompt:
+        if self.graphs is not None and decode and not any(   # a row that scores a prompt token runs eagerly
+                seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens for seq in seqs):
             replayed = self._replay(seqs, input_ids)
             if replayed is not None:
                 return replayed
