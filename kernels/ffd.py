@@ -568,7 +568,7 @@ def _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS: tl.const
 @triton.jit
 def _scan_block_max(qt0, qt1, qt2, qt3, q_unit, CODES, SCALES, bt_row, blks, ok, hk, scale_log2, BPP: tl.constexpr,
                     NUM_KV_HEADS: tl.constexpr, SCAN_N: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                    D4: tl.constexpr, UPCAST: tl.constexpr):
+                    D4: tl.constexpr, UPCAST: tl.constexpr, SUM_BY_MMA: tl.constexpr):
     """Each row's 2-bit block max (log2 units) [BPP, SCAN_N] of the BPP blocks `blks`.
 
     q.(2-bit key) as in `_quant_scores(..., REFINE=False)`, batched over the blocks (3-D dots) and
@@ -580,7 +580,11 @@ def _scan_block_max(qt0, qt1, qt2, qt3, q_unit, CODES, SCALES, bt_row, blks, ok,
     lanes 0..3 (`scan_plane_asm`); the q side is round(q' s / s_max), q' = q / q_unit
     (`_scan_rows_q`) and s_max the block's largest channel scale, so it is within [-127, 127]. The
     int32 dot minus 1.5 * the sum of the rounded q side is exactly the level dot of the rounded q
-    side, scaled back by q_unit * s_max. Interpreter: the exact levels in fp32 (q_unit = 1)."""
+    side, scaled back by q_unit * s_max. SUM_BY_MMA: that sum is an int8 MMA of an all-ones operand
+    with the q side (every one of its 16 rows is the sum, exact), 4 more IMMA instead of the q side
+    recomputed in a second register layout and reduced over the channels (525 instead of 587 sm_90
+    instructions per step; `_scan_sum_by_mma` says where it is faster). Interpreter: the exact levels
+    in fp32 (q_unit = 1)."""
     s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     if UPCAST:
         raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                         # q.k over [BPP, tokens, rows]
@@ -589,18 +593,27 @@ def _scan_block_max(qt0, qt1, qt2, qt3, q_unit, CODES, SCALES, bt_row, blks, ok,
         raw = tl.dot(_code_plane(byte, 2, UPCAST), qt2[None, :, :] * s2[:, :, None], raw, input_precision="ieee")
         raw = tl.dot(_code_plane(byte, 3, UPCAST), qt3[None, :, :] * s3[:, :, None], raw, input_precision="ieee")
         return tl.max(raw, 1) * scale_log2
-    s_max = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
-    inv = 1.0 / tl.maximum(s_max, 1e-30)                                       # [BPP]; masked blocks: s = 0
+    s_max = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1)      # [BPP]; masked blocks: s = 0
+    # 1 / s_max to 1 ulp (one MUFU.RCP, not IEEE division): |q side| <= 127 (1 + 2^-23) still rounds to 127
+    inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [tl.maximum(s_max, 1e-30)],
+                                    dtype=tl.float32, is_pure=True, pack=1)
     i0, v0 = _int8_q_side(qt0, s0 * inv[:, None])
     i1, v1 = _int8_q_side(qt1, s1 * inv[:, None])
     i2, v2 = _int8_q_side(qt2, s2 * inv[:, None])
     i3, v3 = _int8_q_side(qt3, s3 * inv[:, None])
+    if SUM_BY_MMA:   # four independent dots: no chain in front of the block max
+        ones = tl.full([BPP, 16, D4], 1, tl.int8)
+        zero = tl.zeros([BPP, 16, SCAN_N], tl.int32)
+        q_sum = tl.max(tl.dot(ones, i0, zero, out_dtype=tl.int32) + tl.dot(ones, i1, zero, out_dtype=tl.int32)
+                       + tl.dot(ones, i2, zero, out_dtype=tl.int32) + tl.dot(ones, i3, zero, out_dtype=tl.int32), 1)
+    else:
+        q_sum = tl.sum(v0 + v1 + v2 + v3, 1)
     acc = tl.zeros([BPP, BS, SCAN_N], tl.int32)
     acc = tl.dot(_scan_plane(byte, 0), i0, acc, out_dtype=tl.int32)
     acc = tl.dot(_scan_plane(byte, 1), i1, acc, out_dtype=tl.int32)
     acc = tl.dot(_scan_plane(byte, 2), i2, acc, out_dtype=tl.int32)
     acc = tl.dot(_scan_plane(byte, 3), i3, acc, out_dtype=tl.int32)
-    twice = 2 * tl.max(acc, 1) - 3 * tl.sum(v0 + v1 + v2 + v3, 1)             # 2 (dot - 1.5 sum): exact
+    twice = 2 * tl.max(acc, 1) - 3 * q_sum                                     # 2 (dot - 1.5 sum): exact
     return twice.to(tl.float32) * (0.5 * s_max)[:, None] * q_unit[None, :] * scale_log2
 
 
@@ -656,7 +669,7 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
                  BPP: tl.constexpr, SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                  D: tl.constexpr, D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, HAS_KMAP: tl.constexpr,
-                 WRITE_MASK: tl.constexpr, SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr,
+                 WRITE_MASK: tl.constexpr, SCAN_N: tl.constexpr, TOKENS_AS_M: tl.constexpr, SUM_BY_MMA: tl.constexpr,
                  PM_SLICE: tl.constexpr, DECIDE_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Threshold and keep decisions of (sequence, KV head) in one launch. Programs z < PM_PROGRAMS
     (NUM_PARTS * BS / PM_SLICE) are the pseudo-max slices (`_pseudo_max_part`); each then counts
@@ -701,7 +714,7 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
                 ok = blks < nq
                 if TOKENS_AS_M:
                     bmax = _scan_block_max(qa0, qa1, qa2, qa3, q_unit, CODES, SCALES, bt_row, blks, ok, hk, scale_log2,
-                                           BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
+                                           BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST, SUM_BY_MMA)
                 else:
                     bmax = _scan_block_max_rows(qa0, qa1, qa2, qa3, CODES, SCALES, bt_row, blks, ok, hk,
                                                 scale_log2, BPP, NUM_KV_HEADS, SCAN_N, BS, D, D4, UPCAST)
@@ -900,6 +913,12 @@ SCAN_STAGES = 6         # H200: 6 beat 3, 4, 8 and 10 (B = 1, 256K: 100.0 vs 105
 # The scan's transposed dots (tokens as M) from this head_dim up: at D = 64 a code plane is 16 channels, too
 # shallow for the compiler to expand the codes in registers (sm_90 SASS: 1561 against 796 instructions per step).
 SCAN_TOKENS_AS_M_MIN_DIM = 128
+# The scan's sum of its int8 q side by an MMA (`_scan_block_max`) where its grid is more than the
+# SCAN_PROGRAMS_PER_SM programs per SM that run at once, i.e. where the scan is bound by instruction
+# throughput; where it is one wave each program's step latency matters more. H200, side by side
+# (results/ffd_scan_sum_forms.json, run 2): B = 8, 128K, f = 0.02 130.6 -> 125.7 us, 64K 116.4 -> 111.8; B = 1,
+# 128K 44.3 against 44.5, 256K 67.5 against 71.0. None: by that rule; True / False: always / never.
+SCAN_SUM_BY_MMA: bool | None = None
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
 PM_SLICE = 32           # tokens per pseudo-max program: [16, 32] tiles fit the scan's one warp unspilled
 DECIDE_CHUNK = 64       # scan steps whose keep decisions one vector takes (B = 1, 256K: 16 per program)
@@ -916,6 +935,13 @@ def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: i
     every block."""
     target = per_sm * num_compute_units(device)
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
+
+
+def scan_sum_by_mma(scan_programs: int, device: torch.device) -> bool:
+    """Whether the scan sums its int8 q side by an MMA (SCAN_SUM_BY_MMA)."""
+    if SCAN_SUM_BY_MMA is not None:
+        return SCAN_SUM_BY_MMA
+    return scan_programs > SCAN_PROGRAMS_PER_SM * num_compute_units(device)
 
 
 def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
@@ -1044,7 +1070,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     scan_n = triton.next_power_of_2(group) if tokens_as_m else block_h
     bmax = torch.empty(batch * kv_heads * max_blocks * scan_n, dtype=torch.float32, device=dev)
     # the pseudo-max parts first: the lowest program ids, dispatched before the scan programs that wait on them
-    scan_grid = (batch, kv_heads, pm_programs + choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM))
+    scan_splits = choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM)
+    scan_grid = (batch, kv_heads, pm_programs + scan_splits)
     _scan_kernel[scan_grid](
         q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, bmax, flags,
         masks if masks is not None else flags, sync, *q_strides, *kv_strides, block_tables.stride(0),
@@ -1052,7 +1079,8 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
         BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
         PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
-        WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m, PM_SLICE=pm_slice,
+        WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m,
+        SUM_BY_MMA=scan_sum_by_mma(batch * kv_heads * scan_splits, dev), PM_SLICE=pm_slice,
         DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
                    p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,

@@ -1,6 +1,6 @@
 """Opcode counts of the FFD scan's main loop, compiled by Triton for sm_90 without a GPU.
 
-    python -m tests.scan_sass DIM GROUP     # prints {"HMMA": n, "LOP3": n, ...} as JSON
+    python -m tests.scan_sass DIM GROUP SUM_BY_MMA(0/1)    # prints {"HMMA": n, "LOP3": n, ...} as JSON
 
 Exit 3 (with the reason) where this Triton cannot compile for sm_90 or has no cuobjdump. Used by
 tests/test_ffd_kernels.py in a child process, because the tests run under the Triton interpreter.
@@ -20,7 +20,7 @@ import triton
 from kernels import ffd
 
 
-def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
+def scan_loop_opcodes(dim: int, group: int, sum_by_mma: bool) -> collections.Counter:
     """The scan as `ffd_decode` launches it (8 KV heads, pages of 128, default sinks and window)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,7 +30,7 @@ def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
     consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 16, "NUM_HEADS": 8 * group,
               "NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_H": 16, "D": dim, "D4": dim // 4, "BS": bs,
               "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m, "SINK_PARTS": 1,
-              "HAS_KMAP": False, "PM_SLICE": ffd.PM_SLICE, "DECIDE_CHUNK": ffd.DECIDE_CHUNK, "PDL": True,
+              "HAS_KMAP": False, "SUM_BY_MMA": sum_by_mma, "PM_SLICE": ffd.PM_SLICE, "DECIDE_CHUNK": ffd.DECIDE_CHUNK, "PDL": True,
               "SCAN_N": triton.next_power_of_2(group) if tokens_as_m else 16}
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KMAP": "*i32", "CODES": "*u8", "SCALES": "*fp32",
              "RES": "*fp8e4nv", "BT": "*i32", "SEQ": "*i32", "PM": "*fp32", "BMAX": "*fp32", "FLAGS": "*i32",
@@ -59,7 +59,7 @@ def scan_loop_opcodes(dim: int, group: int) -> collections.Counter:
 
 if __name__ == "__main__":
     try:
-        counts = scan_loop_opcodes(int(sys.argv[1]), int(sys.argv[2]))
+        counts = scan_loop_opcodes(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1")
     except (ImportError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"no sm_90 compile here: {e}")
         sys.exit(3)

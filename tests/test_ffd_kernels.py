@@ -354,6 +354,24 @@ def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
 
 
+@pytest.mark.parametrize("group", [4, 7])
+def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monkeypatch, group):
+    """The int8 scan's 1.5 * sum(q side) (head_dim 128) by an all-ones MMA or by a sum over the
+    channels: the same integers, so the same output and block masks, bit for bit. (The interpreter
+    scans with fp32 levels and takes neither path: there this only checks that both launch.)"""
+    bs = 64
+    lens = [40 * bs + 5, 9 * bs, 2 * bs + 1]
+    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=group, dim=128, seed=13))
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    results = []
+    for by_mma in (False, True):
+        monkeypatch.setattr(ffd_mod, "SCAN_SUM_BY_MMA", by_mma)
+        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
+        results.append((run(case, p, masks=masks), masks))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert int((results[0][1] == 0).sum()) > 0 and int((results[0][1] == 1).sum()) > 0
+
+
 @pytest.mark.parametrize("tokens", [16, 64])
 def test_pseudo_max_slices_give_the_reference_threshold(monkeypatch, tokens):
     """The pseudo-max parts run as slices of PM_SLICE tokens (programs of the scan launch). Plain
@@ -581,22 +599,32 @@ def test_residual_dot_scaling_keeps_the_product():
 
 # ----- the scan's instruction mix, compiled for sm_90 on the CPU ----------------------------------
 
+def _scan_step_opcodes(group: int, sum_by_mma: bool) -> dict:
+    """`tests/scan_sass.py` in a child process (the tests themselves run under the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.scan_sass", "128", str(group), str(int(sum_by_mma))],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent,
+                         check=False)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout)
+
+
 @pytest.mark.parametrize("group", [4, 7])
 def test_scan_loop_is_int8_mma_and_about_half_an_integer_op_per_code(group):
     """At head_dim 128 one scan step (BPP blocks on SCAN_WARPS warps) has the tokens as the MMA's M
     and int8 operands: per warp BPP / SCAN_WARPS * 4 planes * 8 M-tiles * 1 K-step IMMA (m16n8k32,
-    query rows padded to 8) and no HMMA, and building the operands costs about half a PRMT / LOP3 /
-    SHF per code (the bf16 form took ~0.76, as rows ~1.2). Compiled by Triton for sm_90 in a child
-    process (the tests themselves run under the interpreter), counted with the cuobjdump Triton
-    ships."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "tests.scan_sass", "128", str(group)], capture_output=True,
-                         text=True, env=env, cwd=Path(__file__).resolve().parent.parent, check=False)
-    if run.returncode == 3:
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, run.stderr[-2000:]
-    ops = json.loads(run.stdout)
+    query rows padded to 8), 4 more with the q side's sum by MMA, and no HMMA; building the operands
+    costs about half a PRMT / LOP3 / SHF per code (the bf16 form took ~0.76, as rows ~1.2); the sum by
+    MMA makes the step shorter than the sum over channels (Triton 3.6: 525 against 587 instructions).
+    Compiled by Triton for sm_90, counted with the cuobjdump Triton ships."""
     bpp = ffd_mod.SCAN_BLOCKS_PER_STEP
     codes_per_thread = bpp * 128 * 128 // (ffd_mod.SCAN_WARPS * 32)
-    assert ops["IMMA"] <= bpp * 4 * 8 // ffd_mod.SCAN_WARPS and "HMMA" not in ops, ops
-    assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < 0.55 * codes_per_thread, ops
+    steps = {}
+    for sum_by_mma in (False, True):
+        ops = _scan_step_opcodes(group, sum_by_mma)
+        assert ops["IMMA"] == bpp * 4 * (8 + sum_by_mma) // ffd_mod.SCAN_WARPS and "HMMA" not in ops, ops
+        assert ops["PRMT"] + ops["LOP3"] + ops["SHF"] < 0.55 * codes_per_thread, ops
+        steps[sum_by_mma] = sum(ops.values())
+    assert steps[True] < steps[False], steps
