@@ -686,6 +686,8 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
     PM_PROGRAMS: tl.constexpr = NUM_PARTS * (BS // PM_SLICE)
     _release_next(PDL)
     L = tl.load(SEQ + b)
+    if L < min_ffd_len:     # "auto", a dense row: the attend reads nothing of this launch for it
+        return
     row = b.to(tl.int64) * NUM_KV_HEADS + hk
     ready = SYNC + 1 + row
     done = SYNC + 1 + tl.num_programs(0) * NUM_KV_HEADS + row
