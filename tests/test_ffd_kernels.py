@@ -617,7 +617,7 @@ def test_scan_loop_is_int8_mma_and_about_half_an_integer_op_per_code(group):
     and int8 operands: per warp BPP / SCAN_WARPS * 4 planes * 8 M-tiles * 1 K-step IMMA (m16n8k32,
     query rows padded to 8), 4 more with the q side's sum by MMA, and no HMMA; building the operands
     costs about half a PRMT / LOP3 / SHF per code (the bf16 form took ~0.76, as rows ~1.2); the sum by
-    MMA makes the step shorter than the sum over channels (Triton 3.6: 525 against 587 instructions).
+    MMA makes the step shorter than the sum over channels (Triton 3.6: 525 against 579 instructions).
     Compiled by Triton for sm_90, counted with the cuobjdump Triton ships."""
     bpp = ffd_mod.SCAN_BLOCKS_PER_STEP
     codes_per_thread = bpp * 128 * 128 // (ffd_mod.SCAN_WARPS * 32)
