@@ -450,7 +450,7 @@ def _quantized_len(L, min_ffd_len, BS: tl.constexpr):
 @triton.jit
 def _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                     scale_log2, sink, window, min_ffd_len,
+                     scale_log2, sink, window,
                      SINK_PARTS: tl.constexpr, NUM_PARTS: tl.constexpr, NUM_HEADS: tl.constexpr,
                      NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                      D4: tl.constexpr, BS: tl.constexpr, SLICE: tl.constexpr, UPCAST: tl.constexpr,
@@ -458,7 +458,8 @@ def _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
     """Slice z % SLICES (SLICE tokens) of part z // SLICES of the pseudo-max of (sequence b, KV head
     hk): part p < SINK_PARTS is sink block p, then the window's blocks, the last part the exact tail.
     It writes the row max over its tokens in the sinks or the window to PM[b, head, z]. Slices keep
-    each program's tiles small: these programs share the scan's one-warp launch."""
+    each program's tiles small: these programs share the scan's one-warp launch. Rows below
+    min_ffd_len never get here (`_scan_kernel` returns first)."""
     SLICES: tl.constexpr = BS // SLICE
     part = z // SLICES
     sl = z % SLICES
@@ -466,26 +467,25 @@ def _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
     rows = tl.arange(0, BLOCK_H)
     toks = sl * SLICE + tl.arange(0, SLICE)
     best = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    if L >= min_ffd_len:
-        q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
-        bt_row = BT + b.to(tl.int64) * stride_bt
-        if part == NUM_PARTS - 1:
-            page = tl.load(bt_row + nq, mask=nq * BS < L, other=0).to(tl.int64)   # the tail may be empty
-            valid = nq * BS + toks < L
-            k = _token_rows(K, key_page(KMAP, page, HAS_KMAP), hk, toks, stride_kb, stride_kt, stride_kh, valid, D,
-                            UPCAST)
-            ok = valid & _in_window(nq * BS + toks, L, sink, window)
-            best = tl.max(tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf")), 1)
-        else:
-            sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
-            first_window = tl.maximum(tl.maximum(L - window, 0) // BS, sink_blocks)
-            blk = tl.where(part < SINK_PARTS, part, first_window + part - SINK_PARTS)
-            useful = tl.where(part < SINK_PARTS, blk < sink_blocks, blk < nq)
-            if useful:
-                page = tl.load(bt_row + blk)
-                zs = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, sl, NUM_KV_HEADS, BLOCK_H, SLICE,
-                                   SLICES, D, D4, True, UPCAST) * scale_log2
-                best = tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], zs, float("-inf")), 1)
+    q, q0, q1, q2, q3 = _load_rows_q(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, D4, UPCAST)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    if part == NUM_PARTS - 1:
+        page = tl.load(bt_row + nq, mask=nq * BS < L, other=0).to(tl.int64)   # the tail may be empty
+        valid = nq * BS + toks < L
+        k = _token_rows(K, key_page(KMAP, page, HAS_KMAP), hk, toks, stride_kb, stride_kt, stride_kh, valid, D,
+                        UPCAST)
+        ok = valid & _in_window(nq * BS + toks, L, sink, window)
+        best = tl.max(tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf")), 1)
+    else:
+        sink_blocks = tl.minimum(tl.cdiv(sink, BS), nq)
+        first_window = tl.maximum(tl.maximum(L - window, 0) // BS, sink_blocks)
+        blk = tl.where(part < SINK_PARTS, part, first_window + part - SINK_PARTS)
+        useful = tl.where(part < SINK_PARTS, blk < sink_blocks, blk < nq)
+        if useful:
+            page = tl.load(bt_row + blk)
+            zs = _quant_scores(q0, q1, q2, q3, CODES, SCALES, RES, page, hk, sl, NUM_KV_HEADS, BLOCK_H, SLICE,
+                               SLICES, D, D4, True, UPCAST) * scale_log2
+            best = tl.max(tl.where(_in_window(blk * BS + toks, L, sink, window)[None, :], zs, float("-inf")), 1)
     heads = hk * GROUP + rows
     tl.store(PM + ((b.to(tl.int64) * NUM_HEADS + heads) * (NUM_PARTS * SLICES) + z), best, mask=rows < GROUP)
 
@@ -694,14 +694,14 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
     if z < PM_PROGRAMS:
         _pseudo_max_part(Q, K, V, KMAP, CODES, SCALES, RES, BT, PM, b, hk, z, L,
                          stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                         scale_log2, sink, window, min_ffd_len, SINK_PARTS, NUM_PARTS, NUM_HEADS, NUM_KV_HEADS,
+                         scale_log2, sink, window, SINK_PARTS, NUM_PARTS, NUM_HEADS, NUM_KV_HEADS,
                          GROUP, BLOCK_H, D, D4, BS, PM_SLICE, UPCAST, HAS_KMAP)
         tl.debug_barrier()                      # every thread's PM store before the release
         tl.atomic_add(ready, 1, sem="release")
     else:
         prog = z - PM_PROGRAMS
         programs = tl.num_programs(2) - PM_PROGRAMS
-        nq = _quantized_len(L, min_ffd_len, BS)
+        nq = L // BS                              # full blocks (dense rows returned above)
         steps = tl.cdiv(nq, BPP)
         cols = tl.arange(0, SCAN_N)
         bt_row = BT + b.to(tl.int64) * stride_bt
@@ -939,11 +939,11 @@ def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: i
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
 
 
-def scan_sum_by_mma(scan_programs: int, device: torch.device) -> bool:
+def scan_sum_by_mma(scan_programs: int, compute_units: int) -> bool:
     """Whether the scan sums its int8 q side by an MMA (SCAN_SUM_BY_MMA)."""
     if SCAN_SUM_BY_MMA is not None:
         return SCAN_SUM_BY_MMA
-    return scan_programs > SCAN_PROGRAMS_PER_SM * num_compute_units(device)
+    return scan_programs > SCAN_PROGRAMS_PER_SM * compute_units
 
 
 def attend_slots(max_blocks: int, splits: int, min_per: int) -> int:
@@ -1037,6 +1037,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         return out
     group = num_heads // kv_heads
     dev = q.device
+    units = num_compute_units(dev)
     launchable = programmatic_launch(dev)
     if pdl and not launchable:
         raise ValueError(f"pdl=True: programmatic dependent launch needs an NVIDIA sm_90+ GPU; q is on {dev}")
@@ -1082,7 +1083,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
         BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
         PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
         WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m,
-        SUM_BY_MMA=scan_sum_by_mma(batch * kv_heads * scan_splits, dev), PM_SLICE=pm_slice,
+        SUM_BY_MMA=scan_sum_by_mma(batch * kv_heads * scan_splits, units), PM_SLICE=pm_slice,
         DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
                    p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,
@@ -1093,7 +1094,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     attend_launch = {"num_warps": 4 if dim <= 128 else 8, "num_stages": attend_stages(bs, dim), **dependent}
     if resident_programs is None and not num_splits:
         resident_programs = attend_resident_per_sm(attend_args, {**attend_consts, **attend_launch}, q, k_cache) \
-            * num_compute_units(dev) - batch * kv_heads
+            * units - batch * kv_heads
     _attend_kernel[(batch, kv_heads, splits)](*attend_args, max(0, int(resident_programs or 0)),
                                               **attend_consts, **attend_launch)
     dc = min(dim, max(16, MERGE_TILE // splits))
