@@ -401,7 +401,7 @@ def run_auto_dense(timer, gen) -> list[dict]:
 
 # kernels/ffd.py constants a sweep may override: launch shapes only, none changes the rule
 TUNABLE = ("SCAN_PROGRAMS_PER_SM", "ATTEND_PROGRAMS_PER_SM", "MIN_PER_SPLIT", "DENSE_MIN_PER_SPLIT", "SCAN_STAGES",
-           "SCAN_WARPS", "SCAN_BLOCKS_PER_STEP", "PM_SLICE", "DECIDE_CHUNK", "MERGE_TILE")
+           "SCAN_WARPS", "SCAN_BLOCKS_PER_STEP", "PM_SLICE", "DECIDE_CHUNK", "MERGE_TILE", "SCAN_WAVE_MIN_STEPS")
 # (B, L, f, Hq, Hkv, D, "auto" below its crossover: the FFD kernel's dense rows)
 SWEEP_CASES = ((1, 131072, 0.1, 32, 8, 128, False), (1, 262144, 0.1, 32, 8, 128, False),
                (1, 65536, 0.1, 32, 8, 128, False), (1, 16384, 0.1, 32, 8, 128, False),

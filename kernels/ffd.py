@@ -23,7 +23,8 @@ on the device (graph-safe, no host sync, no data-sized allocation, deterministic
      It stores the kept block's page id (-1 if dropped), so the next pass reads no block table,
      and adds its kept blocks to the batch's counter (one atomic per program). One launch instead
      of two takes the pseudo-max's ~5 us chain off the critical path (H200, B = 1, 128K: 54.0 ->
-     46.8 us).
+     46.8 us). Where the grid is under one wave (B = 1) and its programs long, it is one full wave of
+     the MMA-sum form instead (`SCAN_WAVE_MIN_STEPS`): more, shorter programs.
   2. `_attend_kernel` (sequence, KV head, split): only the kept blocks. Each split counts them,
      takes those of ranks [split * per, (split + 1) * per) (ranks by a prefix sum, so the work is
      balanced whatever the sparsity pattern), where per also spreads the batch's kept blocks over
@@ -919,8 +920,14 @@ SCAN_TOKENS_AS_M_MIN_DIM = 128
 # SCAN_PROGRAMS_PER_SM programs per SM that run at once, i.e. where the scan is bound by instruction
 # throughput; where it is one wave each program's step latency matters more. H200, side by side
 # (results/ffd_scan_sum_forms.json, run 2): B = 8, 128K, f = 0.02 130.6 -> 125.7 us, 64K 116.4 -> 111.8; B = 1,
-# 128K 44.3 against 44.5, 256K 67.5 against 71.0. None: by that rule; True / False: always / never.
+# 128K 44.3 against 44.5, 256K 67.5 against 71.0; and in the one-wave grid (SCAN_WAVE_MIN_STEPS). None: by those
+# rules; True / False: always / never (False also keeps the default grid).
 SCAN_SUM_BY_MMA: bool | None = None
+# A scan grid under one wave of the MMA-sum form (B = 1 at Llama-3.1-8B shapes) becomes one full wave of it
+# (12 programs per SM at 164 registers: 182 scan programs per row instead of 128) where its programs would
+# take at least this many block steps. H200, side by side (results/ffd_scan_one_wave.json), B = 1: 128K 44.6 ->
+# 42.6 us, 256K 67.6 -> 64.9; at 64K (4 steps -> 3) 34.0 against 34.1, no gain, hence the floor.
+SCAN_WAVE_MIN_STEPS = 8
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
 PM_SLICE = 32           # tokens per pseudo-max program: [16, 32] tiles fit the scan's one warp unspilled
 DECIDE_CHUNK = 64       # scan steps whose keep decisions one vector takes (B = 1, 256K: 16 per program)
@@ -1073,18 +1080,25 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
     scan_n = triton.next_power_of_2(group) if tokens_as_m else block_h
     bmax = torch.empty(batch * kv_heads * max_blocks * scan_n, dtype=torch.float32, device=dev)
     # the pseudo-max parts first: the lowest program ids, dispatched before the scan programs that wait on them
+    scan_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, bmax, flags,
+                 masks if masks is not None else flags, sync, *q_strides, *kv_strides, block_tables.stride(0),
+                 masks.shape[2] if masks is not None else 0, max_blocks,
+                 scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len)
+    scan_consts = dict(BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
+                       PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
+                       WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m, PM_SLICE=pm_slice,
+                       DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     scan_splits = choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM)
-    scan_grid = (batch, kv_heads, pm_programs + scan_splits)
-    _scan_kernel[scan_grid](
-        q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, pm, bmax, flags,
-        masks if masks is not None else flags, sync, *q_strides, *kv_strides, block_tables.stride(0),
-        masks.shape[2] if masks is not None else 0, max_blocks,
-        scale * LOG2E, delta, params.sink_tokens, params.local_window, params.min_ffd_len,
-        BPP=SCAN_BLOCKS_PER_STEP, SINK_PARTS=sink_parts, NUM_PARTS=num_parts,
-        PARTS_PAD=triton.next_power_of_2(pm_programs), HAS_KMAP=key_page_map is not None,
-        WRITE_MASK=masks is not None, SCAN_N=scan_n, TOKENS_AS_M=tokens_as_m,
-        SUM_BY_MMA=scan_sum_by_mma(batch * kv_heads * scan_splits, units), PM_SLICE=pm_slice,
-        DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
+    sum_by_mma = scan_sum_by_mma(batch * kv_heads * scan_splits, units)
+    if q.device.type == "cuda" and SCAN_SUM_BY_MMA is not False \
+            and -(-max_blocks // scan_splits) >= SCAN_WAVE_MIN_STEPS:
+        # under one wave of the MMA-sum form (B = 1): one full wave of it, so shorter programs
+        consts = {**scan_consts, "SUM_BY_MMA": True}
+        wave = resident_ctas(_scan_kernel, ("ffd_scan", q.dtype, tuple(consts.items())), scan_args, consts, dev) \
+            * units // (batch * kv_heads) - pm_programs
+        if wave > scan_splits:
+            scan_splits, sum_by_mma = wave, True
+    _scan_kernel[(batch, kv_heads, pm_programs + scan_splits)](*scan_args, SUM_BY_MMA=sum_by_mma, **scan_consts)
     attend_args = (q, k_cache, v_cache, kmap, codes, scales, residual, block_tables, seq_lens, flags, slots, p_acc,
                    p_ml, stats if stats is not None else p_ml, sync, *q_strides, *kv_strides,
                    block_tables.stride(0), max_blocks, scale * LOG2E, params.min_ffd_len)

@@ -50,6 +50,7 @@ from kernels.ffd_reference import (
     ffd_decode_ref,
     quantize_blocks_ref,
 )
+from kernels.occupancy import resident_ctas
 from kernels.vendor import interpreting, programmatic_launch
 from tests.ffd_helpers import empty_pages, paged_case, params
 
@@ -338,20 +339,30 @@ def test_many_lengths_in_one_batch():
 def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     """The scan's programs walk their blocks in a grid-stride loop, and decide them DECIDE_CHUNK steps
     at a time: 1 or 64 programs per SM, and chunks of 64 or of 4 steps (at 1 per SM, 35 steps per
-    program: nine chunks), give the same bits (output and block masks)."""
+    program: nine chunks), give the same bits (output and block masks). So does the one-wave grid
+    of the MMA-sum form (SCAN_WAVE_MIN_STEPS; compiled only, where it is sized from the compiled
+    scan's residency, which this checks was read)."""
     bs = 64
     lens = [70 * bs + 5, 9 * bs, 2 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=9))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    read = []
+
+    def recording(kernel, key, *args):
+        read.append(key[0])
+        return resident_ctas(kernel, key, *args)
+    monkeypatch.setattr(ffd_mod, "resident_ctas", recording)
     results = []
-    for per_sm, chunk in ((1, 64), (64, 64), (1, 4)):
+    for per_sm, chunk, wave_steps in ((1, 64, 10**9), (64, 64, 10**9), (1, 4, 10**9), (1, 64, 1)):
         monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
         monkeypatch.setattr(ffd_mod, "DECIDE_CHUNK", chunk)
+        monkeypatch.setattr(ffd_mod, "SCAN_WAVE_MIN_STEPS", wave_steps)
         masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
         results.append((run(case, p, masks=masks), masks))
     for out, masks in results[1:]:
         assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
     assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+    assert ("ffd_scan" in read) == (DEV.type == "cuda")
 
 
 @pytest.mark.parametrize("group", [4, 7])
