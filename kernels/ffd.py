@@ -923,7 +923,8 @@ SCAN_TOKENS_AS_M_MIN_DIM = 128
 # 128K 44.3 against 44.5, 256K 67.5 against 71.0; and in the one-wave grid (SCAN_WAVE_MIN_STEPS). None: by those
 # rules; True / False: always / never (False also keeps the default grid).
 SCAN_SUM_BY_MMA: bool | None = None
-# A scan grid under one wave of the MMA-sum form (B = 1 at Llama-3.1-8B shapes) becomes one full wave of it
+# A scan grid under one wave of the MMA-sum form (head_dim >= SCAN_TOKENS_AS_M_MIN_DIM; B = 1 at
+# Llama-3.1-8B shapes) becomes one full wave of it
 # (12 programs per SM at 164 registers: 182 scan programs per row instead of 128) where its programs would
 # take at least this many block steps. H200, side by side (results/ffd_scan_one_wave.json), B = 1: 128K 44.6 ->
 # 42.6 us, 256K 67.6 -> 64.9; at 64K (4 steps -> 3) 34.0 against 34.1, no gain, hence the floor.
@@ -1090,7 +1091,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                        DECIDE_CHUNK=DECIDE_CHUNK, PDL=pdl, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES, **common)
     scan_splits = choose_splits(batch, kv_heads, dev, SCAN_PROGRAMS_PER_SM)
     sum_by_mma = scan_sum_by_mma(batch * kv_heads * scan_splits, units)
-    if q.device.type == "cuda" and SCAN_SUM_BY_MMA is not False \
+    if q.device.type == "cuda" and tokens_as_m and SCAN_SUM_BY_MMA is not False \
             and -(-max_blocks // scan_splits) >= SCAN_WAVE_MIN_STEPS:
         # under one wave of the MMA-sum form (B = 1): one full wave of it, so shorter programs
         consts = {**scan_consts, "SUM_BY_MMA": True}

@@ -339,12 +339,32 @@ def test_many_lengths_in_one_batch():
 def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     """The scan's programs walk their blocks in a grid-stride loop, and decide them DECIDE_CHUNK steps
     at a time: 1 or 64 programs per SM, and chunks of 64 or of 4 steps (at 1 per SM, 35 steps per
-    program: nine chunks), give the same bits (output and block masks). So does the one-wave grid
-    of the MMA-sum form (SCAN_WAVE_MIN_STEPS; compiled only, where it is sized from the compiled
-    scan's residency, which this checks was read)."""
+    program: nine chunks), give the same bits (output and block masks)."""
     bs = 64
     lens = [70 * bs + 5, 9 * bs, 2 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=9))
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    results = []
+    for per_sm, chunk in ((1, 64), (64, 64), (1, 4)):
+        monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setattr(ffd_mod, "DECIDE_CHUNK", chunk)
+        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
+        results.append((run(case, p, masks=masks), masks))
+    for out, masks in results[1:]:
+        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
+    assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+
+
+@pytest.mark.parametrize("group", [4, 7])
+def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monkeypatch, group):
+    """The int8 scan's 1.5 * sum(q side) (head_dim 128) by an all-ones MMA or by a sum over the
+    channels, and the MMA form in its one-wave grid (SCAN_WAVE_MIN_STEPS = 1; compiled only, sized
+    from the compiled scan's residency, which this checks was read): the same integers, so the same
+    output and block masks, bit for bit. (The interpreter scans with fp32 levels and takes neither
+    path: there this only checks that the forms launch.)"""
+    bs = 64
+    lens = [40 * bs + 5, 9 * bs, 2 * bs + 1]
+    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=group, dim=128, seed=13))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
     read = []
 
@@ -353,34 +373,15 @@ def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
         return resident_ctas(kernel, key, *args)
     monkeypatch.setattr(ffd_mod, "resident_ctas", recording)
     results = []
-    for per_sm, chunk, wave_steps in ((1, 64, 10**9), (64, 64, 10**9), (1, 4, 10**9), (1, 64, 1)):
-        monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
-        monkeypatch.setattr(ffd_mod, "DECIDE_CHUNK", chunk)
+    for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1)):
+        monkeypatch.setattr(ffd_mod, "SCAN_SUM_BY_MMA", by_mma)
         monkeypatch.setattr(ffd_mod, "SCAN_WAVE_MIN_STEPS", wave_steps)
         masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
         results.append((run(case, p, masks=masks), masks))
     for out, masks in results[1:]:
         assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
-    assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
-    assert ("ffd_scan" in read) == (DEV.type == "cuda")
-
-
-@pytest.mark.parametrize("group", [4, 7])
-def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monkeypatch, group):
-    """The int8 scan's 1.5 * sum(q side) (head_dim 128) by an all-ones MMA or by a sum over the
-    channels: the same integers, so the same output and block masks, bit for bit. (The interpreter
-    scans with fp32 levels and takes neither path: there this only checks that both launch.)"""
-    bs = 64
-    lens = [40 * bs + 5, 9 * bs, 2 * bs + 1]
-    case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=group, dim=128, seed=13))
-    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
-    results = []
-    for by_mma in (False, True):
-        monkeypatch.setattr(ffd_mod, "SCAN_SUM_BY_MMA", by_mma)
-        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
-        results.append((run(case, p, masks=masks), masks))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert int((results[0][1] == 0).sum()) > 0 and int((results[0][1] == 1).sum()) > 0
+    assert ("ffd_scan" in read) == (DEV.type == "cuda")
 
 
 @pytest.mark.parametrize("tokens", [16, 64])
