@@ -16,7 +16,7 @@ Prefill does BLOCK_M times the arithmetic of a decode per byte read, so the loop
 page (whole-tile decisions), and a kept block's refined scores are the selection's 2-bit scores
 (q * s rounded to bf16 once) plus the residual dots, where the decode splits the work into a pure
 scan and an attend over the kept blocks. Softmax scores thus have the precision of bf16 keys, as
-the decode's attend (`kernels/ffd.py`, `_refined_dots`); the threshold is the fp32-exact form.
+the decode's attend (`kernels/ffd_tiles.py`, `_refined_dots`); the threshold is the fp32-exact form.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ffd import (
-    LOG2E,
+from kernels.ffd import LOG2E, check_ffd_inputs
+from kernels.ffd_reference import FFDParams
+from kernels.ffd_tiles import (
     _code_dots,
     _load_codes,
     _load_residual,
@@ -33,9 +34,7 @@ from kernels.ffd import (
     _page_tile,
     _quant_scores,
     _res_dots,
-    check_ffd_inputs,
 )
-from kernels.ffd_reference import FFDParams
 from kernels.kv_store import key_page
 from kernels.vendor import interpreting
 

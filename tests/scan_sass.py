@@ -18,6 +18,7 @@ from pathlib import Path
 import triton
 
 from kernels import ffd
+from kernels.ffd_scan import _scan_kernel
 
 
 def scan_loop_opcodes(dim: int, group: int, sum_by_mma: bool) -> collections.Counter:
@@ -25,7 +26,7 @@ def scan_loop_opcodes(dim: int, group: int, sum_by_mma: bool) -> collections.Cou
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = ffd._scan_kernel
+    fn = _scan_kernel
     bs, tokens_as_m = 128, dim >= ffd.SCAN_TOKENS_AS_M_MIN_DIM
     consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 16, "NUM_HEADS": 8 * group,
               "NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_H": 16, "D": dim, "D4": dim // 4, "BS": bs,

@@ -27,16 +27,14 @@ import pytest
 import torch
 
 import kernels.ffd as ffd_mod
-from kernels.ffd import (
+from kernels.ffd import attend_slots, ffd_decode, ffd_sync_buffer
+from kernels.ffd_ptx import (
     INT8_Q_MAX,
     INT_ROUND,
     INT_ROUND_BITS,
     RES_BITS_EXP,
     RES_Q_SCALE,
     RES_UNSCALE,
-    attend_slots,
-    ffd_decode,
-    ffd_sync_buffer,
     plane_asm,
     refined_plane_asm,
     residual_asm,
