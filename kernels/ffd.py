@@ -109,11 +109,11 @@ SCAN_TOKENS_AS_M_MIN_DIM = 128
 # 128K 44.3 against 44.5, 256K 67.5 against 71.0; and in the one-wave grid (SCAN_WAVE_MIN_STEPS). None: by those
 # rules; True / False: always / never (False also keeps the default grid).
 SCAN_SUM_BY_MMA: bool | None = None
-# A scan grid under one wave of the MMA-sum form (head_dim >= SCAN_TOKENS_AS_M_MIN_DIM; B = 1 at
-# Llama-3.1-8B shapes) becomes one full wave of it
-# (12 programs per SM at 164 registers: 182 scan programs per row instead of 128) where its programs would
-# take at least this many block steps. H200, side by side (results/ffd_scan_one_wave.json), B = 1: 128K 44.6 ->
-# 42.6 us, 256K 67.6 -> 64.9; at 64K (4 steps -> 3) 34.0 against 34.1, no gain, hence the floor.
+# A scan grid under one wave of the MMA-sum form (head_dim >= SCAN_TOKENS_AS_M_MIN_DIM; B = 1 at Llama-3.1-8B
+# shapes) becomes one full wave of it (12 programs per SM at 164 registers: 182 scan programs per row instead of
+# 128) where its programs would take at least this many block steps. H200, side by side
+# (results/ffd_scan_one_wave.json), B = 1: 128K 44.6 -> 42.6 us, 256K 67.6 -> 64.9; at 64K (4 steps -> 3) 34.0
+# against 34.1, no gain, hence the floor.
 SCAN_WAVE_MIN_STEPS = 8
 FLAG_CHUNK = 4096       # flags per prefix-sum step of the attend kernel: one step up to 512K tokens at BS 128
 PM_SLICE = 32           # tokens per pseudo-max program: [16, 32] tiles fit the scan's one warp unspilled
@@ -127,8 +127,8 @@ def choose_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: i
     The attend grid uses ATTEND_PROGRAMS_PER_SM: several waves of programs (`attend_resident_per_sm`
     fit an SM at once) spread one long sequence of a skewed batch over the whole GPU, and a sequence's attend
     splits get at least MIN_PER_SPLIT kept blocks each, the rest exit at once. The scan grid uses
-    SCAN_PROGRAMS_PER_SM: its programs walk their blocks in a grid-stride loop, so any count covers
-    every block."""
+    SCAN_PROGRAMS_PER_SM (or one full wave, SCAN_WAVE_MIN_STEPS): its programs walk their blocks in a
+    grid-stride loop, so any count covers every block."""
     target = per_sm * num_compute_units(device)
     return min(128, triton.next_power_of_2(max(1, math.ceil(target / max(1, batch * num_kv_heads)))))
 
