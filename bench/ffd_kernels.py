@@ -280,6 +280,9 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
 def run_bench(timer, gen, bw, deadline) -> list[dict]:
     rows = []
     real = torch.load(REAL) if REAL.exists() else None
+    if real is None:
+        print(f"bench: no real K/V at {REAL} (`python bench/ffd_kernels.py --dump-real` writes it, on the CPU): "
+              "synthetic rows only", flush=True)
     for length in (131072, 262144, 16384, 65536):          # the goal's lengths first
         for batch in (1, 8):
             for f_hot in (0.1, 0.02):
@@ -604,6 +607,7 @@ def main() -> None:
             report["sweep"] = run_sweep(timer, gen, overrides, start + args.budget_s)
             path.write_text(json.dumps(report, indent=1))
         if args.bench:
+            report["real_kv"] = str(REAL) if REAL.exists() else f"missing ({REAL}): synthetic rows only"
             report["copy_bw"] = copy_bandwidth()
             report["bench"] = run_bench(timer, gen, report["copy_bw"], start + args.budget_s)
     finally:
