@@ -334,6 +334,20 @@ def test_many_lengths_in_one_batch():
     assert not out[0].any()                                           # an empty sequence reads as 0
 
 
+def same_bits_under(monkeypatch, case, p, settings: list[dict]) -> torch.Tensor:
+    """Run `case` with each dict of kernels.ffd constants set; assert every output and block mask
+    equals the first setting's, bit for bit, and return those masks."""
+    results = []
+    for consts in settings:
+        for name, value in consts.items():
+            monkeypatch.setattr(ffd_mod, name, value)
+        masks = torch.full((case[0].shape[0], case[1].shape[2], case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
+        results.append((run(case, p, masks=masks), masks))
+    for out, masks in results[1:]:
+        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
+    return results[0][1]
+
+
 def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     """The scan's programs walk their blocks in a grid-stride loop, and decide them DECIDE_CHUNK steps
     at a time: 1 or 64 programs per SM, and chunks of 64 or of 4 steps (at 1 per SM, 35 steps per
@@ -342,15 +356,9 @@ def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     lens = [70 * bs + 5, 9 * bs, 2 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=4, dim=64, seed=9))
     p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
-    results = []
-    for per_sm, chunk in ((1, 64), (64, 64), (1, 4)):
-        monkeypatch.setattr(ffd_mod, "SCAN_PROGRAMS_PER_SM", per_sm)
-        monkeypatch.setattr(ffd_mod, "DECIDE_CHUNK", chunk)
-        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
-        results.append((run(case, p, masks=masks), masks))
-    for out, masks in results[1:]:
-        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
-    assert int((results[0][1] == 0).sum()) > 0   # blocks really were dropped
+    masks = same_bits_under(monkeypatch, case, p, [{"SCAN_PROGRAMS_PER_SM": per_sm, "DECIDE_CHUNK": chunk}
+                                                   for per_sm, chunk in ((1, 64), (64, 64), (1, 4))])
+    assert int((masks == 0).sum()) > 0   # blocks really were dropped
 
 
 @pytest.mark.parametrize("group", [4, 7])
@@ -370,15 +378,9 @@ def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monk
         read.append(key[0])
         return resident_ctas(kernel, key, *args)
     monkeypatch.setattr(ffd_mod, "resident_ctas", recording)
-    results = []
-    for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1)):
-        monkeypatch.setattr(ffd_mod, "SCAN_SUM_BY_MMA", by_mma)
-        monkeypatch.setattr(ffd_mod, "SCAN_WAVE_MIN_STEPS", wave_steps)
-        masks = torch.full((len(lens), 2, case[4].shape[1]), -1, dtype=torch.int8, device=DEV)
-        results.append((run(case, p, masks=masks), masks))
-    for out, masks in results[1:]:
-        assert torch.equal(results[0][0], out) and torch.equal(results[0][1], masks)
-    assert int((results[0][1] == 0).sum()) > 0 and int((results[0][1] == 1).sum()) > 0
+    masks = same_bits_under(monkeypatch, case, p, [{"SCAN_SUM_BY_MMA": by_mma, "SCAN_WAVE_MIN_STEPS": wave_steps}
+                                                   for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))])
+    assert int((masks == 0).sum()) > 0 and int((masks == 1).sum()) > 0
     assert ("ffd_scan" in read) == (DEV.type == "cuda")
 
 
