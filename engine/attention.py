@@ -82,6 +82,12 @@ class AttentionBackend:
     prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
     fuse_rope_store: bool = False
 
+    def decode_graph_widths(self, max_blocks: int) -> list[int]:
+        """Block-table widths (pages), ascending and ending at `max_blocks`, to capture a decode
+        graph for each: a backend whose host-side choice depends on the table width (FFD's "auto")
+        names the widths where that choice changes."""
+        return [max_blocks]
+
 
 @dataclass
 class ForwardContext:

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one captured forward (with the LM head) per bucketed batch size.
+"""CUDA graphs for decode steps: one captured forward (with the LM head) per bucketed batch size
+and block-table width.
 
 A decode step of a Llama-8B-sized model launches a few hundred small kernels; eagerly, the host
 needs longer to issue them than the GPU needs to run them at batch 1. A graph replays the whole
@@ -12,9 +13,11 @@ into one shared memory pool, so the activations of all buckets share one allocat
 
 What the kernels decide on the host is frozen at capture: the split count depends only on
 the batch size (`kernels.flash_decoding.choose_num_splits`), the matmul config only on M, and
-the block-table width is the widest a sequence can need. Counters the attention backend adds
-during capture are device tensors the graph updates (returned as captured) or host floats
-proportional to the rows (scaled to the real batch).
+the block-table width is the widest a sequence can need, or, where the backend's choice depends
+on it (`AttentionBackend.decode_graph_widths`: FFD's "auto" runs the Flash-Decoding kernel when
+no row can reach its crossover), the narrowest captured width that holds the step's tables.
+Counters the attention backend adds during capture are device tensors the graph updates
+(returned as captured) or host floats proportional to the rows (scaled to the real batch).
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes) | {max_batch})
 
 
+GraphKey = tuple[int, int]   # (batch size, block-table width in pages)
+
+
 class DecodeGraphs:
     """Captured decode steps for batch sizes 1..max_batch and contexts up to max_blocks pages."""
 
@@ -51,6 +57,9 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.batch_sizes = graph_batch_sizes(max_batch)
+        self.widths = backend.decode_graph_widths(max_blocks) if backend is not None else [max_blocks]
+        if self.widths != sorted(set(self.widths)) or self.widths[-1] != max_blocks or self.widths[0] < 1:
+            raise ValueError(f"decode graph widths must ascend to {max_blocks} pages; the backend gave {self.widths}")
         dev = device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -59,22 +68,23 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.logits: torch.Tensor | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.counters: dict[int, dict[str, float]] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.counters: dict[GraphKey, dict[str, float]] = {}
         # Two sets of pinned host staging, used in turn: with asynchronous scheduling step N+1 is
         # staged before step N's reads are known to be done, but never before step N-1's are.
         self.staging = [_Staging(max_batch, max_blocks, pin=device.type == "cuda") for _ in range(2)]
         self.current = 0
 
     # ----- capture ---------------------------------------------------------------------------
-    def _metadata(self, batch: int, counters: dict[str, float]) -> AttentionMetadata:
+    def _metadata(self, batch: int, width: int, counters: dict[str, float]) -> AttentionMetadata:
         return AttentionMetadata(
             positions=self.positions[:batch], slot_mapping=self.slot_mapping[:batch],
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch], max_query_len=1, is_decode_only=True, counters=counters)
+            block_tables=self.block_tables[:batch, :width], max_query_len=1, is_decode_only=True,
+            counters=counters)
 
-    def _forward(self, batch: int, counters: dict[str, float]) -> torch.Tensor:
-        with forward_context(self._metadata(batch, counters), self.backend):
+    def _forward(self, batch: int, width: int, counters: dict[str, float]) -> torch.Tensor:
+        with forward_context(self._metadata(batch, width, counters), self.backend):
             hidden = self.model(self.input_ids[:batch], self.positions[:batch])
         return self.model.compute_logits(hidden)
 
@@ -82,40 +92,44 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm up (compiles every kernel config) and capture each bucket, largest first."""
         start = time.perf_counter()
-        vocab = self._forward(1, {}).shape[-1]
+        vocab = self._forward(1, self.max_blocks, {}).shape[-1]
         self.logits = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=self.device)
         pool = None
-        for batch in reversed(self.batch_sizes):
-            self._forward(batch, {})   # eager warm-up: Triton compiles, occupancy probes, workspaces
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            counters: dict[str, float] = {}
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:batch].copy_(self._forward(batch, counters))
-            pool = graph.pool() if pool is None else pool
-            self.graphs[batch] = graph
-            self.counters[batch] = counters
+        for width in reversed(self.widths):
+            for batch in reversed(self.batch_sizes):
+                self._forward(batch, width, {})   # eager warm-up: Triton compiles, occupancy probes, workspaces
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                counters: dict[str, float] = {}
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[:batch].copy_(self._forward(batch, width, counters))
+                pool = graph.pool() if pool is None else pool
+                self.graphs[batch, width] = graph
+                self.counters[batch, width] = counters
         torch.cuda.synchronize(self.device)
-        logger.info("CUDA graphs captured for decode batch sizes %s in %.1f s",
-                    ",".join(map(str, self.batch_sizes)), time.perf_counter() - start)
+        logger.info("CUDA graphs captured for decode batch sizes %s and block-table widths %s pages in %.1f s",
+                    ",".join(map(str, self.batch_sizes)), ",".join(map(str, self.widths)),
+                    time.perf_counter() - start)
 
     # ----- replay ----------------------------------------------------------------------------
-    def bucket_for(self, batch: int, num_blocks: int) -> int | None:
-        """The captured batch size that serves `batch` sequences needing `num_blocks` pages, if any."""
+    def bucket_for(self, batch: int, num_blocks: int) -> GraphKey | None:
+        """The captured (batch size, table width) that serves `batch` sequences needing `num_blocks`
+        pages, if any: the smallest of each that holds them."""
         if batch > self.max_batch or num_blocks > self.max_blocks or not self.graphs:
             return None
-        return next(b for b in self.batch_sizes if b >= batch)
+        return (next(b for b in self.batch_sizes if b >= batch), next(w for w in self.widths if w >= num_blocks))
 
     def stage(self, seqs: list[Sequence], block_size: int) -> None:
         """Write the step's inputs (one new token per sequence) into the next pinned staging set."""
         self.current ^= 1
         self.staging[self.current].write(seqs, block_size)
 
-    def run(self, batch: int, width: int, bucket: int, input_ids: torch.Tensor | None = None
+    def run(self, batch: int, width: int, key: GraphKey, input_ids: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Replay the bucket's graph on the staged inputs of `batch` sequences whose block tables are
-        at most `width` pages (token ids from the device tensor `input_ids` when given);
-        (float32 logits [batch, V], attention counters)."""
+        """Replay the graph of `key` (`bucket_for`) on the staged inputs of `batch` sequences whose
+        block tables are at most `width` pages (token ids from the device tensor `input_ids` when
+        given); (float32 logits [batch, V], attention counters)."""
+        bucket = key[0]
         st = self.staging[self.current]
         st.pad(batch, bucket)
         self.input_ids[:bucket].copy_(st.tokens[0, :bucket], non_blocking=True)
@@ -128,9 +142,9 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(st.block_tables[:batch, :width], non_blocking=True)
         if bucket > batch:
             self.block_tables[batch:bucket, 0] = 0
-        self.graphs[bucket].replay()
+        self.graphs[key].replay()
         assert self.logits is not None
-        return self.logits[:batch], scaled_counters(self.counters[bucket], batch / bucket)
+        return self.logits[:batch], scaled_counters(self.counters[key], batch / bucket)
 
 
 class _Staging:

@@ -11,7 +11,11 @@ prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a 
 
 "auto": queries whose context is shorter than a crossover length attend densely over the exact
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
-use FFD. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
+use FFD. A step whose block table is too narrow for any row to reach the crossover runs the
+Flash-Decoding backend itself (`dense`), decode and prefill: the FFD kernel's dense decode rows
+cost its three launches (H200, 4K: 20.1 against 16.3 us at B = 1, 55.0 against 43.0 at B = 8).
+Decode graphs are captured at that width too (`decode_graph_widths`), so short contexts replay
+the Flash-Decoding graph. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
 CROSSOVER_TOKENS; `[flashdecoding] ffd_crossover_tokens` overrides it (a GPU's own measurement),
 and a device with neither is a startup error (never a guess). Where the
 measurement found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at
@@ -104,6 +108,7 @@ class FFDAttentionBackend(AttentionBackend):
     pool_pages: int = 0               # K pool size when compact (size_exact_pool)
     exact: ExactKeyPages | None = None
     sync: torch.Tensor | None = None  # the decode's counters, zero between calls (kernels.ffd.ffd_sync_buffer)
+    dense: AttentionBackend | None = None   # "auto": Flash-Decoding for steps with every row below the crossover
 
     @property
     def page_size(self) -> int:
@@ -191,6 +196,18 @@ class FFDAttentionBackend(AttentionBackend):
         return self.cache.layer(layer)
 
     @property
+    def dense_width(self) -> int:
+        """"auto": the widest block table (pages) none of whose rows reaches the crossover (a row of a
+        table W pages wide has at most W * page_size tokens, and is dense below min_ffd_len); 0 else."""
+        if self.dense is None or self.params is None:
+            return 0
+        return (self.params.min_ffd_len - 1) // self.params.block_size
+
+    def decode_graph_widths(self, max_blocks: int) -> list[int]:
+        """Graphs at `dense_width` too (the Flash-Decoding backend), where it is narrower than the widest."""
+        return [self.dense_width, max_blocks] if 0 < self.dense_width < max_blocks else [max_blocks]
+
+    @property
     def key_page_map(self) -> torch.Tensor | None:
         """The page -> K page map the kernels take (None: the full layout, K page = page)."""
         return self.exact.key_page_map if self.exact is not None else None
@@ -208,6 +225,9 @@ class FFDAttentionBackend(AttentionBackend):
             quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
+        if self.dense is not None and block_tables.shape[1] <= self.dense_width:
+            return self.dense.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layer_idx=layer_idx,
+                                     counters=counters)
         pages = self.pages_of(k_cache)
         assert self.params is not None
         if self.triton:
@@ -232,6 +252,8 @@ class FFDAttentionBackend(AttentionBackend):
         return self.sync
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
+        if self.dense is not None and block_tables.shape[1] <= self.dense_width:
+            return self.dense.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
         assert self.params is not None
         pages = self.pages_of(k_cache)
         if self.triton:
@@ -265,7 +287,8 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
     units = f"δ = {fd.delta:g} ({'natural log' if fd.delta_units == 'e' else 'log2'} units, "
     units += f"{params.delta_log2:.3f} in log2)"
     where = "triton decode and prefill" if on_gpu else "torch reference (cpu)"
-    mode = f"auto: dense Flash-Decoding below {min_len} context tokens, FFD from there" if fd.kernel == "auto" else "FFD"
+    mode = (f"auto: dense Flash-Decoding below {min_len} context tokens (steps with no row above: "
+            f"the Flash-Decoding backend), FFD from there") if fd.kernel == "auto" else "FFD"
     compact = fd.kernel == "ffd"
     memory = COMPACT_TEXT if compact else FULL_TEXT
     name = (f"{where}: Faster Flash Decoding [{mode}] (2-bit keys + FP8 residual in blocks of "
@@ -273,6 +296,10 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
             f"local window {params.local_window}; {memory})")
     backend = FFDAttentionBackend(name=name, params=params, device=device, triton=on_gpu,
                                   num_splits=int(getattr(fd, "num_splits", 0) or 0), compact=compact)
+    if fd.kernel == "auto":
+        from engine.attention_backends import make_attention_backend
+        flash = fd.model_copy(update={"kernel": "flash", "async_softmax": False})
+        backend.dense = make_attention_backend(flash, device, vendor)  # type: ignore[arg-type]
     backend.decode = backend._decode
     backend.store_kv = backend._store
     backend.prefill = backend._prefill

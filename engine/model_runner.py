@@ -212,11 +212,11 @@ class ModelRunner:
         """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""
         assert self.graphs is not None
         width = max(len(seq.block_table) for seq in seqs)
-        bucket = self.graphs.bucket_for(len(seqs), width)
-        if bucket is None:
+        key = self.graphs.bucket_for(len(seqs), width)
+        if key is None:
             return None
         self.graphs.stage(seqs, self.block_size)
-        logits, counters = self.graphs.run(len(seqs), width, bucket, input_ids)
+        logits, counters = self.graphs.run(len(seqs), width, key, input_ids)
         self.num_graph_steps += 1
         # A one-token prefill chunk that does not end its prompt forwards but does not sample.
         rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == len(seq)]

@@ -81,6 +81,30 @@ def test_staging_appends_pages_and_rebuilds_rows_that_change_owner():
     assert st.np_tokens[:, 2:4].tolist() == [[0, 0], [0, 0], [-1, -1]] and st.np_seq_lens[2:4].tolist() == [1, 1]
 
 
+def test_a_step_replays_the_narrowest_captured_width_that_holds_it():
+    """Backends may ask for graphs at several block-table widths (FFD's "auto"): a step takes the
+    smallest batch bucket and the narrowest width that hold it; widths must ascend to the widest."""
+    from engine.attention import AttentionBackend
+    from engine.cuda_graph import DecodeGraphs
+
+    class TwoWidths(AttentionBackend):
+        def decode_graph_widths(self, max_blocks: int) -> list[int]:
+            return [3, max_blocks]
+
+    graphs = DecodeGraphs(torch.nn.Identity(), TwoWidths(name="two"), torch.device("cpu"), max_batch=4, max_blocks=8)
+    assert graphs.widths == [3, 8]
+    graphs.graphs = {(b, w): None for b in graphs.batch_sizes for w in graphs.widths}
+    assert graphs.bucket_for(3, 2) == (4, 3) and graphs.bucket_for(1, 3) == (1, 3)
+    assert graphs.bucket_for(2, 4) == (2, 8) and graphs.bucket_for(1, 9) is None and graphs.bucket_for(5, 1) is None
+
+    class Unordered(AttentionBackend):
+        def decode_graph_widths(self, max_blocks: int) -> list[int]:
+            return [max_blocks, 3]
+
+    with pytest.raises(ValueError, match="ascend"):
+        DecodeGraphs(torch.nn.Identity(), Unordered(name="bad"), torch.device("cpu"), max_batch=4, max_blocks=8)
+
+
 def test_graphs_alternate_staging_sets():
     """Consecutive steps stage into different pinned sets: with asynchronous scheduling step N+1 is
     written while step N's copies may still be pending."""
@@ -108,12 +132,12 @@ def test_run_copies_the_staged_set_pads_and_overrides_token_ids():
             Replayed.calls += 1
 
     graphs = DecodeGraphs(torch.nn.Identity(), None, torch.device("cpu"), max_batch=4, max_blocks=8)
-    graphs.graphs, graphs.counters = {2: Replayed()}, {2: {"rows": 8.0}}
+    graphs.graphs, graphs.counters = {(2, 8): Replayed()}, {(2, 8): {"rows": 8.0}}
     graphs.logits = torch.arange(20, dtype=torch.float32).reshape(4, 5)
     a = _seq(10, 9, [5, 6, 7])
     graphs.input_ids.fill_(99)   # stale values from an earlier, wider step
     graphs.stage([a], 4)
-    logits, counters = graphs.run(1, 3, 2, input_ids=torch.tensor([42]))
+    logits, counters = graphs.run(1, 3, (2, 8), input_ids=torch.tensor([42]))
     assert Replayed.calls == 1 and logits.shape == (1, 5) and counters == {"rows": 4.0}
     assert graphs.input_ids[:2].tolist() == [42, 0] and graphs.positions[:2].tolist() == [9, 0]
     assert graphs.slot_mapping[:2].tolist() == [7 * 4 + 1, -1] and graphs.seq_lens[:2].tolist() == [10, 1]

@@ -132,7 +132,9 @@ def test_sampling_features_on_gpu(model_dir):
     assert all(lp.top[0][0] == t for lp, t in zip(greedy.outputs[0].logprobs, greedy.token_ids))
 
 
-GRAPH_VARIANTS = {**VARIANTS, "ffd": dict(enable=True, kernel="ffd", delta=5.0)}
+# "auto" with a crossover of 1024 tokens: steps whose tables are <= 7 pages replay the Flash-Decoding graphs
+GRAPH_VARIANTS = {**VARIANTS, "ffd": dict(enable=True, kernel="ffd", delta=5.0),
+                  "auto": dict(enable=True, kernel="auto", delta=5.0, ffd_crossover_tokens=1024)}
 
 
 @pytest.mark.parametrize("variant", list(GRAPH_VARIANTS))
@@ -145,7 +147,9 @@ def test_cuda_graph_decode_equals_eager(model_dir, variant):
                     cuda_graph_max_batch=6, **GRAPH_VARIANTS[variant])
     graphed = LLM(cuda_graphs=True, **settings)
     eager = LLM(cuda_graphs=False, **settings)
-    assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.batch_sizes == [1, 2, 4, 6]
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 6]
+    assert graphs.widths == ([7, graphs.max_blocks] if variant == "auto" else [graphs.max_blocks])
     assert eager.engine.runner.graphs is None
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     gen = torch.Generator().manual_seed(5)
@@ -157,7 +161,8 @@ def test_cuda_graph_decode_equals_eager(model_dir, variant):
     assert sum(x.token_ids == y.token_ids for x, y in zip(a, b)) >= len(prompts) - 1
     runner = graphed.engine.runner
     assert runner.num_graph_steps > 0
-    single = graphed.generate(prompts[2], params)[0]   # bucket 1, after wider batches used the buffers
+    # bucket 1 (for "auto": the 7-page Flash-Decoding graph), after wider batches used the buffers
+    single = graphed.generate(prompts[2], params)[0]
     assert_equal_or_near_tie(single, b[2])
     counters = graphed.engine.stats().attention_counters
     if variant == "ffd":

@@ -128,6 +128,37 @@ def test_auto_with_crossover_switches_per_sequence(tiny_dir):
     assert backend.params.min_ffd_len == 256 and "dense Flash-Decoding below 256" in backend.name
 
 
+def test_auto_steps_below_the_crossover_run_the_flash_backend(tiny_dir):
+    """kernel = "auto": a step whose block table is too narrow for any row to reach the crossover
+    runs the Flash-Decoding backend, prefill and decode (the tokens of kernel = "flash"); a wider
+    step runs the FFD rule (it prunes) and never calls it. Graphs are captured at that width too."""
+    auto = make_llm(tiny_dir, kernel="auto", ffd_crossover_tokens=256)
+    backend = auto.engine.backend
+    assert backend.dense is not None and "Flash-Decoding split-KV" in backend.dense.name
+    assert backend.dense_width == 3                              # (256 - 1) // 64: rows of <= 192 tokens
+    assert backend.decode_graph_widths(10) == [3, 10] and backend.decode_graph_widths(3) == [3]
+    widths: dict[str, list[int]] = {"decode": [], "prefill": []}
+
+    def spy(kind, fn):
+        def call(q, k_cache, v_cache, block_tables, *args, **kwargs):
+            widths[kind].append(block_tables.shape[1])
+            return fn(q, k_cache, v_cache, block_tables, *args, **kwargs)
+        return call
+
+    backend.dense.decode = spy("decode", backend.dense.decode)
+    backend.dense.prefill = spy("prefill", backend.dense.prefill)
+    short = prompt(150)                                           # 150 + 30 tokens: 3 pages
+    same(auto.generate(short, GREEDY)[0], make_llm(tiny_dir, kernel="flash").generate(short, GREEDY)[0])
+    assert widths == {"decode": [3] * (2 * 29), "prefill": [3, 3]}   # 2 layers; every decode step
+    assert auto.engine.stats().attention_counters.get("ffd_blocks_total", 0) == 0
+    auto.generate(prompt(300, salt=1), GREEDY)                    # 5+ pages: the FFD rule, which prunes here
+    counters = auto.engine.stats().attention_counters
+    assert len(widths["decode"]) == 2 * 29 and len(widths["prefill"]) == 2
+    assert 0 < counters["ffd_blocks_kept"] < counters["ffd_blocks_total"]
+    ffd = make_llm(tiny_dir).engine.backend
+    assert ffd.dense is None and ffd.dense_width == 0 and ffd.decode_graph_widths(10) == [10]
+
+
 def test_auto_where_ffd_never_won_is_flash_decoding():
     from engine.ffd_backend import NEVER, make_ffd_backend
     backend = make_ffd_backend(FlashDecodingConfig(kernel="auto"), torch.device("cpu"), "cpu", crossover=NEVER)
