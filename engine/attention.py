@@ -72,8 +72,9 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class AttentionBackend:
     """The functions a step's attention runs: KV store, prefill over pages, decode.
 
-    `fuse_rope_store`: `store_kv` is the plain cache write, so the layer may rotate k and store
-    it with v in one launch (`RotaryFn.rotate_and_store`, on a GPU) instead of two.
+    `fuse_rope_store`: `store_kv` is the plain cache write, then `post_store` (if any), so the layer
+    may rotate k and store it with v in one launch (`RotaryFn.rotate_and_store`, on a GPU) instead
+    of two, and call `post_store(k_cache, slot_mapping)` after it (FFD: quantize the filled blocks).
     """
 
     name: str
@@ -81,6 +82,7 @@ class AttentionBackend:
     store_kv: Callable[..., None] = reference.store_kv_ref
     prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
     fuse_rope_store: bool = False
+    post_store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def decode_graph_widths(self, max_blocks: int) -> list[int]:
         """Block-table widths (pages), ascending and ending at `max_blocks`, to capture a decode
@@ -143,6 +145,8 @@ class Attention(nn.Module):
             raise ValueError("Attention: rotary needs positions")
         if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
             q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if ctx.backend.post_store is not None:
+                ctx.backend.post_store(self.k_cache, meta.slot_mapping)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)

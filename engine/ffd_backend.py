@@ -167,6 +167,9 @@ class FFDAttentionBackend(AttentionBackend):
         self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, v_cache.device)
         self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device) if self.compact else None
         self.layer_of = {k_cache[i].data_ptr(): i for i in range(num_layers)}
+        # Every exact K page kept ("auto", or "ffd" that kept them): the layer may write K/V with RoPE in
+        # one launch (kernels/fused.py, which has no page map for the pool), then `post_store` quantizes.
+        self.fuse_rope_store = self.triton and self.exact is None
 
     def begin_step(self, seqs: list[Sequence]) -> None:
         """Before a forward: pool pages for the pages this step writes (compact K cache only)."""
@@ -214,14 +217,21 @@ class FFDAttentionBackend(AttentionBackend):
 
     # ----- the three attention functions ---------------------------------------------------
     def _store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        pages = self.pages_of(k_cache)
         if self.triton:
             from kernels import store_kv
-            from kernels.ffd_quantize import quantize_on_write
             store_kv(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
-            quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
         else:
             reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
+        self._quantize(k_cache, slot_mapping)
+
+    def _quantize(self, k_cache, slot_mapping) -> None:
+        """After a K/V write (the backend's own, or RoPE's fused one: `post_store`): quantize the
+        blocks it filled."""
+        pages = self.pages_of(k_cache)
+        if self.triton:
+            from kernels.ffd_quantize import quantize_on_write
+            quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
+        else:
             quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
@@ -302,6 +312,7 @@ def make_ffd_backend(fd: Any, device: torch.device, vendor: str, *,
         backend.dense = make_attention_backend(flash, device, vendor)  # type: ignore[arg-type]
     backend.decode = backend._decode
     backend.store_kv = backend._store
+    backend.post_store = backend._quantize
     backend.prefill = backend._prefill
     logger.info("attention: %s", name)
     return backend

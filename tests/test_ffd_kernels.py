@@ -252,6 +252,63 @@ def test_backend_glue_triton_equals_reference():
     assert torch.equal(backends[1].cache.codes, backends[0].cache.codes)
 
 
+def test_rope_fused_write_then_post_store_equals_the_backend_store():
+    """Every exact K page kept (the "auto" layout) on the Triton path: the attention layer writes K/V
+    with RoPE in one launch and then calls the backend's `post_store`, which must leave the pages and
+    the quantized keys (codes, scales, residuals) as RoPE followed by the backend's own store does.
+    The compact layout (a page map) keeps the unfused write."""
+    from engine.attention import Attention, AttentionMetadata, forward_context
+    from engine.config import FlashDecodingConfig
+    from engine.ffd_backend import make_ffd_backend
+    from engine.layers import RotaryEmbedding
+    fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=2.0, ffd_crossover_tokens=4096)
+    rope = RotaryEmbedding(64, 64, max_position=512, base=10000.0).to(DEV)
+    gen = torch.Generator().manual_seed(3)
+    lens, heads, kv_heads = [150, 64], 4, 2
+    tables = torch.tensor([[3, 1, 6], [5, 0, 0]], dtype=torch.int32, device=DEV)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+    slots = torch.tensor([int(tables[b, p // 64]) * 64 + p % 64 for b, n in enumerate(lens) for p in range(n)],
+                         device=DEV)
+    q = torch.randn(len(slots), heads * 64, generator=gen).to(DEV)
+    k = torch.randn(len(slots), kv_heads * 64, generator=gen).to(DEV)
+    v = torch.randn(len(slots), kv_heads * 64, generator=gen).to(DEV)
+    meta = AttentionMetadata(positions=positions, slot_mapping=slots,
+                             query_start_loc=torch.tensor([0, 150, 214], dtype=torch.int32, device=DEV),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV), block_tables=tables,
+                             max_query_len=150, is_decode_only=False)
+    results = []
+    for fused in (True, False):
+        backend = make_ffd_backend(fd, torch.device("cpu"), "cpu")
+        backend.triton = True
+        cache = torch.zeros(2, 1, 8, 64, kv_heads, 64, device=DEV)
+        backend.allocate_cache(cache[0], cache[1])
+        assert backend.fuse_rope_store and backend.post_store is not None
+        backend.fuse_rope_store = fused
+        layer = Attention(heads, kv_heads, 64, 0.125, layer_idx=0)
+        layer.k_cache, layer.v_cache = cache[0, 0], cache[1, 0]
+        with forward_context(meta, backend):
+            out = layer(q, k, v, rotary=rope, positions=positions)
+        results.append((out, cache, backend.cache.codes.clone(), backend.cache.scales.clone(),
+                        backend.cache.residual.float()))
+    (out_f, cache_f, *quant_f), (out_u, cache_u, *quant_u) = results
+    assert torch.equal(cache_f[1], cache_u[1])                    # V copied bit for bit
+    check_close(cache_f[0], cache_u[0])                           # rotated K: one rounding order apart
+    written = torch.tensor([3, 1, 5], device=DEV)                 # the three full blocks were quantized
+    assert quant_f[1][0, written].abs().sum(-1).min() > 0
+    for got, want in zip(quant_f, quant_u):
+        if got.dtype == torch.uint8:                              # 2-bit codes: at most a few ties
+            assert (got != want).float().mean() < 1e-3
+        else:
+            check_close(got, want)
+    check_close(out_f, out_u)
+    compact = make_ffd_backend(FlashDecodingConfig(kernel="ffd", ffd_block_size=64), torch.device("cpu"), "cpu")
+    compact.triton = True
+    compact.size_exact_pool(2, 256)
+    compact.allocate_cache(torch.zeros(1, compact.key_cache_pages(8), 64, kv_heads, 64, device=DEV),
+                           torch.zeros(1, 8, 64, kv_heads, 64, device=DEV))
+    assert compact.exact is not None and not compact.fuse_rope_store
+
+
 # ----- the attend pass's split invariants --------------------------------------------------------
 
 def test_attend_slots_cover_every_kept_block():
