@@ -52,8 +52,8 @@ class RotaryFn(Protocol):
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         key_page_map: torch.Tensor | None = None) -> torch.Tensor: ...
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                         ) -> torch.Tensor: ...
 
 
 class DecodeFn(Protocol):
@@ -83,12 +83,6 @@ class AttentionBackend:
     prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
     fuse_rope_store: bool = False
     post_store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-    @property
-    def key_page_map(self) -> torch.Tensor | None:
-        """K pages in a pool of their own (FFD's compact layout): page -> K pool page, int32 [N];
-        None: the K page of page p is p."""
-        return None
 
     def decode_graph_widths(self, max_blocks: int) -> list[int]:
         """Block-table widths (pages), ascending and ending at `max_blocks`, to capture a decode
@@ -150,8 +144,7 @@ class Attention(nn.Module):
         if rotary is not None and positions is None:
             raise ValueError("Attention: rotary needs positions")
         if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
-            q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                        ctx.backend.key_page_map)
+            q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if ctx.backend.post_store is not None:
                 ctx.backend.post_store(self.k_cache, meta.slot_mapping)
         else:

@@ -167,9 +167,9 @@ class FFDAttentionBackend(AttentionBackend):
         self.cache = FFDKeyCache(FFDCacheSpec(num_layers, kv_heads, head_dim, block_size), num_blocks, v_cache.device)
         self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device) if self.compact else None
         self.layer_of = {k_cache[i].data_ptr(): i for i in range(num_layers)}
-        # The layer writes K/V with RoPE in one launch (kernels/fused.py, through key_page_map for the
-        # pool), then `post_store` quantizes the blocks it filled.
-        self.fuse_rope_store = self.triton
+        # Every exact K page kept ("auto", or "ffd" that kept them): the layer may write K/V with RoPE in
+        # one launch (kernels/fused.py, which has no page map for the pool), then `post_store` quantizes.
+        self.fuse_rope_store = self.triton and self.exact is None
 
     def begin_step(self, seqs: list[Sequence]) -> None:
         """Before a forward: pool pages for the pages this step writes (compact K cache only)."""

@@ -247,12 +247,11 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         key_page_map: torch.Tensor | None = None) -> torch.Tensor:
-        """The rotated q; rotated k and v written into the paged caches at slot_mapping (k into the
-        K pool pages of `key_page_map` when given; GPU, one launch: kernels/fused.py)."""
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The rotated q; rotated k and v written into the paged caches at slot_mapping (GPU, one
+        launch: kernels/fused.py)."""
         return fused.rotary_embedding_and_store(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
-                                                self.rotary_dim, k_cache, v_cache, slot_mapping, key_page_map)
+                                                self.rotary_dim, k_cache, v_cache, slot_mapping)
 
 
 # ---------------------------------------------------------------------------------------------

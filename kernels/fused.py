@@ -20,7 +20,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.kv_store import key_page
 from kernels.reference import store_kv_ref
 
 MAX_NORM_HIDDEN = 16384   # one row lives in registers; beyond this it would spill
@@ -63,12 +62,12 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
-                                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                   key_page_map: torch.Tensor | None = None) -> torch.Tensor:
+                                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slot_mapping: torch.Tensor) -> torch.Tensor:
     q, k = rotary_embedding_ref(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
     num_tokens, num_kv_heads = k.shape[0], k.shape[1] // head_dim
     store_kv_ref(k.view(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim),
-                 k_cache, v_cache, slot_mapping, key_page_map)
+                 k_cache, v_cache, slot_mapping)
     return q
 
 
@@ -224,15 +223,14 @@ def _rotary_kernel(POS, Q, K, Q_OUT, K_OUT, COS, SIN, stride_q, stride_k, stride
 
 
 @triton.jit
-def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, KMAP, COS, SIN,
+def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, COS, SIN,
                          stride_q, stride_k, stride_v, stride_qo, stride_c, stride_cb, stride_ct, stride_ch,
                          num_q_heads, num_kv_heads, q_blocks, kv_blocks,
                          PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                         BLOCK_D: tl.constexpr, HAS_KMAP: tl.constexpr):
+                         BLOCK_D: tl.constexpr):
     """Blocks [0, q_blocks): rotate q heads; then k heads, rotated straight into the cache row of
-    the token's slot (in the K pool page `key_page` maps it to, with HAS_KMAP); then v heads,
-    copied there (slot -1: padding, nothing stored)."""
+    the token's slot; then v heads, copied there (slot -1: padding, nothing stored)."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if hb < q_blocks:
@@ -245,8 +243,7 @@ def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, KMAP, COS
             row = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
             if hb < q_blocks + kv_blocks:
                 cos, sin = _cos_sin(POS, COS, SIN, t, stride_c, HALF, BLOCK_HALF)
-                k_row = key_page(KMAP, slot // PAGE, HAS_KMAP) * stride_cb + (slot % PAGE) * stride_ct
-                _rotate_heads(K + t * stride_k, K_CACHE + k_row, (hb - q_blocks) * BLOCK_H, num_kv_heads, HEAD_DIM,
+                _rotate_heads(K + t * stride_k, K_CACHE + row, (hb - q_blocks) * BLOCK_H, num_kv_heads, HEAD_DIM,
                               stride_ch, cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
             else:
                 heads = (hb - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -310,12 +307,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 def rotary_embedding_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               key_page_map: torch.Tensor | None = None) -> torch.Tensor:
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> torch.Tensor:
     """`rotary_embedding` and `kernels.store_kv` in one launch: returns the rotated q; the rotated
     k and v[T, Hkv*D] go straight into caches[num_blocks, block_size, Hkv, D] at slot_mapping[T]
-    (-1 skips; with `key_page_map`, k into the K pool page it maps the slot's page to, as
-    `store_kv`). k never exists rotated outside the cache. The caches must have k's dtype (the
+    (-1 skips). k never exists rotated outside the cache. The caches must have k's dtype (the
     unfused path rounds the rotated k to k's dtype before the store casts it)."""
     _check_rotary(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
     num_tokens = positions.shape[0]
@@ -334,12 +330,11 @@ def rotary_embedding_and_store(positions: torch.Tensor, q: torch.Tensor, k: torc
     block_h = _head_block(num_kv_heads, half)
     q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     _rotary_store_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
-        positions, q, k, v, q_out, k_cache, v_cache, slot_mapping,
-        slot_mapping if key_page_map is None else key_page_map, cos_cache, sin_cache,
+        positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_cache, sin_cache,
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads, num_kv_heads, q_blocks, kv_blocks,
         PAGE=k_cache.shape[1], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half), PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
-        BLOCK_D=triton.next_power_of_2(head_dim), HAS_KMAP=key_page_map is not None, num_warps=4)
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
     return q_out

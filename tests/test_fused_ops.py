@@ -167,28 +167,6 @@ def test_rotary_embedding_and_store(tokens: int, head_dim: int, rotary_dim: int,
     assert torch.equal(flat_k[untouched], fresh[untouched]), "rows of other slots are never written"
 
 
-def test_rotary_embedding_and_store_through_a_key_page_map() -> None:
-    """K pages in a pool of their own (FFD's compact layout): k goes to the pool page the map gives
-    the slot's page, v to the page itself, as `store_kv` writes them."""
-    rope = RotaryEmbedding(64, 64, max_position=64, base=10000.0).to(DEVICE)
-    tokens, kv_heads, page = 6, 2, 4
-    positions = torch.arange(tokens, device=DEVICE) + 5
-    qkv = randn(tokens, (2 + 2 * kv_heads) * 64, seed=9)
-    q, k, v = qkv.split([2 * 64, kv_heads * 64, kv_heads * 64], dim=-1)
-    slots = torch.tensor([9, 10, -1, 4, 5, 22], device=DEVICE)            # pages 2, 2, pad, 1, 1, 5
-    kmap = torch.tensor([-1, 2, 1, -1, -1, 0], dtype=torch.int32, device=DEVICE)
-    k_pool, v_cache = randn(3, page, kv_heads, 64, seed=1), randn(6, page, kv_heads, 64, seed=2)
-    want_pool, want_v = k_pool.clone(), v_cache.clone()
-    got_q = fused.rotary_embedding_and_store(positions, q, k, v, rope.cos_cache, rope.sin_cache, 64, 64,
-                                             k_pool, v_cache, slots, kmap)
-    want_q = fused.rotary_embedding_and_store_ref(positions, q, k, v, rope.cos_cache, rope.sin_cache, 64, 64,
-                                                  want_pool, want_v, slots, kmap)
-    assert_close(got_q, want_q, TOL32, "q")
-    assert_close(k_pool, want_pool, TOL32, "k pool")
-    assert torch.equal(v_cache, want_v)
-    assert not torch.equal(k_pool[1, 1:3], randn(3, page, kv_heads, 64, seed=1)[1, 1:3])   # page 2's keys: pool 1
-
-
 @gpu
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_rotary_embedding_and_store_low_precision_equals_the_two_launches(dtype: torch.dtype) -> None:
