@@ -9,17 +9,20 @@ prefill, prefix-cache hits, multi-turn and preemption/recompute all give what a 
   GPU     Triton (kernels/ffd.py)  Triton (kernels/ffd_prefill.py)  Triton (store_kv + quantize)
   CPU     torch rule               torch rule                       torch
 
+With every exact K page kept ("auto") the GPU's K/V write is RoPE's fused one (`post_store`
+quantizes after it; H200, 4K, B = 1: 4.736 -> 4.677 ms/token end to end). The compact pool keeps
+store_kv: the fused write through its page map gained nothing (bench/RESULTS.md).
+
 "auto": queries whose context is shorter than a crossover length attend densely over the exact
 keys (inside the same kernel: split-KV with log-sum-exp merge, i.e. Flash-Decoding), longer ones
 use FFD. A step whose block table is too narrow for any row to reach the crossover runs the
 Flash-Decoding backend itself (`dense`), decode and prefill: the FFD kernel's dense decode rows
 cost its three launches (H200, 4K: 20.1 against 16.3 us at B = 1, 55.0 against 43.0 at B = 8).
 Decode graphs are captured at that width too (`decode_graph_widths`), so short contexts replay
-the Flash-Decoding graph. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover` and stored in
-CROSSOVER_TOKENS; `[flashdecoding] ffd_crossover_tokens` overrides it (a GPU's own measurement),
-and a device with neither is a startup error (never a guess). Where the
-measurement found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at
-startup.
+the Flash-Decoding graph. The crossover is per GPU, measured by `bench/ffd_kernels.py --crossover`
+and stored in CROSSOVER_TOKENS; `[flashdecoding] ffd_crossover_tokens` overrides it (a GPU's own
+measurement), and a device with neither is a startup error (never a guess). Where the measurement
+found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at startup.
 
 Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
 (KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
@@ -168,7 +171,8 @@ class FFDAttentionBackend(AttentionBackend):
         self.exact = ExactKeyPages(num_blocks, k_cache.shape[1], v_cache.device) if self.compact else None
         self.layer_of = {k_cache[i].data_ptr(): i for i in range(num_layers)}
         # Every exact K page kept ("auto", or "ffd" that kept them): the layer may write K/V with RoPE in
-        # one launch (kernels/fused.py, which has no page map for the pool), then `post_store` quantizes.
+        # one launch (kernels/fused.py), then `post_store` quantizes. Not through the pool's page map:
+        # that gained nothing end to end (bench/RESULTS.md).
         self.fuse_rope_store = self.triton and self.exact is None
 
     def begin_step(self, seqs: list[Sequence]) -> None:
