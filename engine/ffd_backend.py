@@ -210,6 +210,10 @@ class FFDAttentionBackend(AttentionBackend):
             return 0
         return (self.params.min_ffd_len - 1) // self.params.block_size
 
+    def _dense_step(self, block_tables: torch.Tensor) -> bool:
+        """"auto": no row of this step can reach the crossover, so it runs on the Flash-Decoding backend."""
+        return self.dense is not None and block_tables.shape[1] <= self.dense_width
+
     def decode_graph_widths(self, max_blocks: int) -> list[int]:
         """Graphs at `dense_width` too (the Flash-Decoding backend), where it is narrower than the widest."""
         return [self.dense_width, max_blocks] if 0 < self.dense_width < max_blocks else [max_blocks]
@@ -239,7 +243,7 @@ class FFDAttentionBackend(AttentionBackend):
             quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
 
     def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
-        if self.dense is not None and block_tables.shape[1] <= self.dense_width:
+        if self._dense_step(block_tables):
             return self.dense.decode(q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layer_idx=layer_idx,
                                      counters=counters)
         pages = self.pages_of(k_cache)
@@ -266,7 +270,7 @@ class FFDAttentionBackend(AttentionBackend):
         return self.sync
 
     def _prefill(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
-        if self.dense is not None and block_tables.shape[1] <= self.dense_width:
+        if self._dense_step(block_tables):
             return self.dense.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
         assert self.params is not None
         pages = self.pages_of(k_cache)
