@@ -173,9 +173,8 @@ def attend_resident_per_sm(args: tuple, kwargs: dict, q: torch.Tensor, k_cache: 
 
 
 def sync_entries(batch: int, kv_heads: int) -> int:
-    """int32 counters one decode launch uses: the kept-block total, then READY and DONE per (sequence,
-    KV head)."""
-    return 1 + 2 * batch * kv_heads
+    """int32 counters one decode launch uses: the kept-block total, then READY per (sequence, KV head)."""
+    return 1 + batch * kv_heads
 
 
 def ffd_sync_buffer(batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -300,6 +299,7 @@ def ffd_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, co
                                               **attend_consts, **attend_launch)
     dc = min(dim, max(16, MERGE_TILE // splits))
     _merge_kernel[(batch, num_heads, dim // dc)](out, p_acc, p_ml, sync, out.stride(0), out.stride(1),
-                                                 NUM_SPLITS=splits, NUM_HEADS=num_heads, D=dim, DC=dc, PDL=pdl,
+                                                 NUM_SPLITS=splits, NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads,
+                                                 D=dim, DC=dc, PDL=pdl,
                                                  num_warps=4, **dependent)
     return out

@@ -101,6 +101,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
             m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
     else:
         flag_row = FLAGS + row * max_blocks
+        kept_total = tl.load(KEPT_TOTAL)                # issued beside the flag row's loads, not after them
         if ONE_CHUNK:
             page_row, keep_row = _flag_chunk(flag_row, 0, nq, FLAG_CHUNK)
             kept = tl.sum(keep_row, 0)
@@ -110,7 +111,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
                 kept += tl.sum(_flag_chunk(flag_row, c, nq, FLAG_CHUNK)[1], 0)
         per = tl.maximum(tl.cdiv(kept, NUM_SPLITS), MIN_PER_SPLIT)
         if resident > 0:
-            per = tl.maximum(per, tl.minimum(tl.cdiv(tl.load(KEPT_TOTAL), resident), PER_MAX))
+            per = tl.maximum(per, tl.minimum(tl.cdiv(kept_total, resident), PER_MAX))
         lo = split * per
         n_mine = tl.minimum(tl.maximum(kept - lo, 0), per)
         if n_mine > 0:
@@ -135,9 +136,9 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
             raw, v, valid = _exact_tile(q, K, V, KMAP, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
                                         UPCAST, HAS_KMAP)
             m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
-        if COUNT:   # once per (sequence, KV head)
-            tl.atomic_add(STATS, nq.to(tl.int64), mask=split == 0)
-            tl.atomic_add(STATS + 1, kept.to(tl.int64), mask=split == 0)
+        if COUNT:   # once per (sequence, KV head); read after the launch, so no fence
+            tl.atomic_add(STATS, nq.to(tl.int64), mask=split == 0, sem="relaxed")
+            tl.atomic_add(STATS + 1, kept.to(tl.int64), mask=split == 0, sem="relaxed")
     part = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(P_ML + part * 2, m, mask=row_ok)
     tl.store(P_ML + part * 2 + 1, l, mask=row_ok)
@@ -149,19 +150,23 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
 # ----- decode 3: merge -----------------------------------------------------------------------
 
 @triton.jit
-def _merge_kernel(OUT, P_ACC, P_ML, KEPT_TOTAL, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
-                  NUM_HEADS: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(OUT, P_ACC, P_ML, SYNC, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
+                  PDL: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head)'s splits over channels [c * DC, (c + 1) * DC).
 
     All splits at once (one round trip for m, l, one for acc); empty splits (m = -inf) weigh 0 and
-    their acc is not read. A row with no token at all (L = 0) gets 0. Program (0, 0, 0) zeroes the
-    kept-block total for the next call (the attend, its last reader, has finished)."""
+    their acc is not read. A row with no token at all (L = 0) gets 0. The decode's counters are
+    zeroed for the next call here, where the scan (READY) and the attend (the kept-block total) have
+    finished: program (0, 0, 0) the total, the first program of each (sequence, KV head) its READY."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     base = (b.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
     _wait_previous(PDL)
-    tl.store(KEPT_TOTAL, 0, mask=(b == 0) & (h == 0) & (c == 0))
+    tl.store(SYNC, 0, mask=(b == 0) & (h == 0) & (c == 0))
+    tl.store(SYNC + 1 + b.to(tl.int64) * NUM_KV_HEADS + h // GROUP, 0, mask=(h % GROUP == 0) & (c == 0))
     s = base + tl.arange(0, NUM_SPLITS)
     m_s = tl.load(P_ML + s * 2)
     l_s = tl.load(P_ML + s * 2 + 1)

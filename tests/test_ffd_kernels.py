@@ -458,7 +458,7 @@ def test_pseudo_max_slices_give_the_reference_threshold(monkeypatch, tokens):
 
 
 def test_sync_buffer_is_left_zero_and_serves_every_call():
-    """The decode's counters (kept-block total, per-row READY / DONE) are zero again after every call,
+    """The decode's counters (kept-block total, per-row READY) are zero again after every call,
     so one buffer serves calls of any batch up to its size with the outputs of fresh zeroed ones."""
     bs = 64
     sync = ffd_sync_buffer(4, 2, DEV)
