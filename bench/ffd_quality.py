@@ -15,9 +15,12 @@ Everything runs in float32 with the torch rule of `kernels/ffd_reference.py`, wh
    rule on every query (the rule is per query, so position p gets exactly what a decode step at
    p computes after the same tokens); on the last `--window` positions: argmax agreement and mean
    KL(dense || FFD) of the next-token distributions.
-3. free-running greedy generation (`--generate N`): prompt = the L-token window minus its last N
-   tokens, at `--generate-prompts` offsets spread over the text (default: its beginning), dense vs
-   FFD through the engine: position-wise token agreement and the common-prefix length per prompt.
+3. greedy generation (`--generate N`): prompt = the L-token window minus its last N tokens, at
+   `--generate-prompts` offsets spread over the text (default: its beginning); the dense engine
+   generates N greedy tokens. `--generate-measures free`: FFD generates too, free-running:
+   position-wise token agreement and the common-prefix length per prompt. `forced`: FFD
+   teacher-forced on dense's tokens: at each of the N steps, the share of steps whose FFD argmax is
+   the token dense generated, and mean KL(dense || FFD).
 4. passkey (`--passkey`): "The pass key is NNNNN" hidden at 10/50/90 % (`--passkey-depths`: also
    30/70 %) depth of a filler of the same text; dense vs FFD greedy answers, found or not.
 5. key format (`--key-formats`): with nothing pruned, at the probe queries, the refined keys'
@@ -213,6 +216,38 @@ def generated_agreement(starts: list[int], dense: list[list[int]], other: list[l
             "common_prefix": min(r["common_prefix"] for r in per_prompt), "per_prompt": per_prompt}
 
 
+def forced_on_generated(runner: Runner, starts: list[int], prompts: list[list[int]], dense_gen: list[list[int]],
+                        deltas) -> dict:
+    """Greedy agreement over the generated tokens, teacher-forced: prompt + the dense engine's N greedy
+    tokens run through the model once densely and once per δ with the FFD rule; at each of the N
+    steps, does the next-token argmax equal the token dense generated, and KL(dense || FFD). The
+    dense rerun's own argmax is checked against its generation (`dense_matches_generated`: chunked
+    prefill and step-by-step decode sum in different orders, so a near-tie may differ)."""
+    rows: dict = {"per_prompt": []}
+    for start, prompt, gen in zip(starts, prompts, dense_gen):
+        ids = prompt + gen[:-1]                           # position len(prompt) - 1 + i predicts gen[i]
+        target = torch.tensor(gen)
+        t0 = time.time()
+        dense, _ = runner.run(ids, AttentionBackend(name="dense"), logits_from=len(prompt) - 1)
+        row = {"start": start, "tokens": len(gen),
+               "dense_matches_generated": float((dense.argmax(-1) == target).float().mean()), "delta": {}}
+        for delta in deltas:
+            ffd, _ = runner.run(ids, make_ffd_backend(ffd_config(delta), CPU, "cpu"), logits_from=len(prompt) - 1)
+            kl, agree = kl_and_agreement(dense, ffd)
+            row["delta"][f"{delta:g}"] = {"agreement_with_generated": float((ffd.argmax(-1) == target).float().mean()),
+                                          "argmax_agreement": agree, "kl_mean": kl}
+        row["seconds"] = time.time() - t0
+        rows["per_prompt"].append(row)
+        print(f"forced on generated, prompt at {start}: dense rerun matches its generation "
+              f"{row['dense_matches_generated']:.4f}; " + ", ".join(
+                  f"δ={d}: {r['agreement_with_generated']:.4f} (KL {r['kl_mean']:.2e})" for d, r in row["delta"].items())
+              + f" ({row['seconds']:.0f} s)", flush=True)
+    rows["mean"] = {d: {k: sum(r["delta"][d][k] for r in rows["per_prompt"]) / len(rows["per_prompt"])
+                        for k in ("agreement_with_generated", "argmax_agreement", "kl_mean")}
+                    for d in rows["per_prompt"][0]["delta"]}
+    return rows
+
+
 def prompt_starts(total: int, length: int, count: int) -> list[int]:
     """Token offsets of `count` prompt windows of `length` tokens, evenly spread over the text (0 first)."""
     span = max(0, total - length)
@@ -257,6 +292,8 @@ def main() -> None:
                     help="prompt windows spread over the text (1: its beginning only)")
     ap.add_argument("--generate-controls", nargs="*", default=[], choices=sorted(CONTROLS),
                     help="also generate with these engines (no FFD) and compare with float32 dense")
+    ap.add_argument("--generate-measures", nargs="+", default=["free"], choices=["free", "forced"],
+                    help="free: free-running FFD vs dense; forced: FFD teacher-forced on dense's generated tokens")
     ap.add_argument("--passkey", type=int, nargs="*", default=[], help="context lengths for the passkey test")
     ap.add_argument("--passkey-deltas", type=float, nargs="+", default=[5.0])
     ap.add_argument("--passkey-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
@@ -313,9 +350,11 @@ def main() -> None:
             prompts = [ids_all[a:a + length - args.generate] for a in starts]
             dense_gen = generate(model_dir, prompts, args.generate, {"kernel": "flash"})
             entry["generate"] = {}
+            if "forced" in args.generate_measures:
+                entry["forced_on_generated"] = forced_on_generated(runner, starts, prompts, dense_gen, args.deltas)
             variants = {f"{delta:g}": {"kernel": "ffd", "delta": delta, "ffd_block_size": BS} for delta in args.deltas}
             variants.update({name: CONTROLS[name] for name in args.generate_controls})
-            for name, fd in variants.items():
+            for name, fd in (variants.items() if "free" in args.generate_measures else ()):
                 gens = generate(model_dir, prompts, args.generate, fd)
                 entry["generate"][name] = row = generated_agreement(starts, dense_gen, gens)
                 print(f"L={length} {name}: generated agreement {row['agreement']:.3f} (mean of {len(starts)} "
