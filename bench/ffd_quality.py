@@ -352,9 +352,11 @@ def main() -> None:
             entry["generate"] = {}
             if "forced" in args.generate_measures:
                 entry["forced_on_generated"] = forced_on_generated(runner, starts, prompts, dense_gen, args.deltas)
-            variants = {f"{delta:g}": {"kernel": "ffd", "delta": delta, "ffd_block_size": BS} for delta in args.deltas}
-            variants.update({name: CONTROLS[name] for name in args.generate_controls})
-            for name, fd in (variants.items() if "free" in args.generate_measures else ()):
+            variants = {}                                 # free-running engines, compared with dense_gen
+            if "free" in args.generate_measures:
+                variants = {f"{d:g}": {"kernel": "ffd", "delta": d, "ffd_block_size": BS} for d in args.deltas}
+                variants.update({name: CONTROLS[name] for name in args.generate_controls})
+            for name, fd in variants.items():
                 gens = generate(model_dir, prompts, args.generate, fd)
                 entry["generate"][name] = row = generated_agreement(starts, dense_gen, gens)
                 print(f"L={length} {name}: generated agreement {row['agreement']:.3f} (mean of {len(starts)} "
