@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of bench/RESULTS.md, each step under its own time limit, results
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor]
 set -u
 OUT=${1:-bench/results/gpu_suite}
 PART=${2:-all}
@@ -13,7 +13,7 @@ step() {  # step SECONDS NAME COMMAND...: run, log to OUT/NAME.log, say how it e
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? ($(tail -n 1 "$OUT/$name.log"))"
 }
-if [ "$PART" != e2e ]; then
+if [ "$PART" = kernels ] || [ "$PART" = all ]; then
     step 240 gpu_tests python -m pytest -q tests/test_engine_gpu.py tests/test_fused_ops.py tests/test_matmul.py \
         tests/test_kernels.py tests/test_ffd_kernels.py tests/test_ffd_prefill.py tests/test_ffd_compact.py
     step 100 ffd_check python bench/ffd_kernels.py --check --out "$OUT"
@@ -21,7 +21,7 @@ if [ "$PART" != e2e ]; then
     step 100 ffd_prefill python bench/ffd_kernels.py --prefill --out "$OUT/prefill"
     step 150 matmul python bench/matmul.py --out "$OUT"
 fi
-if [ "$PART" != kernels ]; then
+if [ "$PART" = e2e ] || [ "$PART" = all ]; then
     M="--model synthetic:llama-3.1-8b --no-plot"
     step 60 decode_profile python bench/decode_profile.py --context-len 1024 --out "$OUT"
     step 110 latency_1k python -m bench.e2e latency $M --set backend.max_num_seqs=4 --context-len 1024 \
@@ -31,4 +31,7 @@ if [ "$PART" != kernels ]; then
     step 100 concurrency_32x16k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
         --set backend.max_num_batched_tokens=16384 --context-len 16384 --max-tokens 64 --repeat 1 \
         --warmup 0 --num-requests 32 --variants flash --out "$OUT/concurrency_32x16k.json"
+fi
+if [ "$PART" = floor ] || [ "$PART" = all ]; then   # about 90 s: the FFD data flow with no arithmetic
+    step 200 ffd_floor python bench/ffd_floor.py --budget-s 150 --out "$OUT"
 fi
