@@ -305,7 +305,20 @@ def fastest(timer, variants: dict) -> tuple[float, str]:
     return times[best], best
 
 
-def time_floor_row(timer, case, bw: float, label: str) -> dict:
+def kernel_times(fn, calls: int = 20) -> dict:
+    """Mean device µs per call of each kernel `fn` launches (torch profiler, eager launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def time_floor_row(timer, case, bw: float, label: str, profile: bool = False) -> dict:
     from bench.ffd_kernels import ffd, params, sparsity
     p = params()
     s = sparsity(case, p)
@@ -342,13 +355,22 @@ def time_floor_row(timer, case, bw: float, label: str) -> dict:
     row["fused_us"], row["fused_cfg"] = fastest(timer, {
         f"{k}/SM,{w}w {st}st": (lambda k=k, w=w, st=st: sk.fused(max(1, k * units // rows), w, stages=st))
         for k in (2, 4) for w in (4, 8) for st in (2, 3)})
+    if profile:
+        best = row["three_cfg"].removeprefix("scan ").split(", attend ")
+        c, a = scans[best[0]], attends[best[1]]
+        row["kernel_us"] = {"ffd": kernel_times(lambda: ffd(case, p)),
+                            "three": kernel_times(lambda: sk.three(c[0], c[1], splits, a[2], a[0], stages=a[1],
+                                                                   scan_stages=c[2]))}
     for key in ("ffd", "stream", "three", "fused"):
         row[f"{key}_over_bound"] = row[f"{key}_us"] / row["bound_us"]
     print("floor", json.dumps(row), flush=True)
     return row
 
 
-def run(out_dir: Path, budget_s: float) -> dict:
+PROFILED = {(1, 131072, 0.1), (1, 262144, 0.1), (8, 65536, 0.02), (8, 131072, 0.1)}   # --profile rows
+
+
+def run(out_dir: Path, budget_s: float, profile: bool = False) -> dict:
     from bench.ffd_kernels import Case
     from bench.kernels import Timer, copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -364,7 +386,8 @@ def run(out_dir: Path, budget_s: float) -> dict:
                     print("floor: budget spent, skipping the rest", flush=True)
                     break
                 case = Case([length] * batch, 32, 8, 128, gen, f_hot=f_hot)
-                report["rows"].append(time_floor_row(timer, case, bw, f"synthetic f={f_hot}"))
+                report["rows"].append(time_floor_row(timer, case, bw, f"synthetic f={f_hot}",
+                                                     profile and (batch, length, f_hot) in PROFILED))
                 del case
                 torch.cuda.empty_cache()
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -378,7 +401,8 @@ def print_table(report: dict) -> None:
           "stream/bound | three/bound | fused/bound | FFD/bound | checks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        print(f"| {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['bound_us']:.1f} | {1.5 * r['bound_us']:.1f} | "
+        print(f"| {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['bound_us']:.1f} | "
+              f"{1.5 * r['bound_us']:.1f} | "
               f"{r['stream_us']:.1f} | {r['empty_us'][3]:.1f} | {r['three_us']:.1f} | {r['fused_us']:.1f} | "
               f"{r['ffd_us']:.1f} | {r['stream_over_bound']:.2f} | {r['three_over_bound']:.2f} | "
               f"{r['fused_over_bound']:.2f} | {r['ffd_over_bound']:.2f} | {all(r['checks'].values())} |")
@@ -392,6 +416,14 @@ def print_table(report: dict) -> None:
         print(f"| {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['scan_alone_us'][sn]:.1f} ({sn}) | "
               f"{r['attend_alone_us'][an]:.1f} ({an}) | {e[1]:.1f} | {e[2]:.1f} | {e[3]:.1f} | "
               f"{r['three_us']:.1f} ({r['three_cfg']}) |")
+    profiled = [r for r in report["rows"] if "kernel_us" in r]
+    if profiled:
+        print("\nDevice µs per kernel and call (torch profiler, eager)")
+        for r in profiled:
+            print(f"B = {r['B']}, L = {r['L'] // 1024}K, s = {r['sparsity']:.3f}:")
+            for who, kernels in r["kernel_us"].items():
+                print(f"  {who}: " + ", ".join(f"{k} {v:.1f}" for k, v in kernels.items())
+                      + f" (sum {sum(kernels.values()):.1f})")
 
 
 def smoke() -> dict:
@@ -413,17 +445,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--budget-s", type=float, default=400, help="no new row after this many seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each kernel's device time (torch profiler), FFD's and the skeletons', at four rows")
     ap.add_argument("--smoke", action="store_true", help="CPU, under TRITON_INTERPRET=1: the checksums only")
     args = ap.parse_args()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("--smoke runs under the Triton interpreter: TRITON_INTERPRET=1 python bench/ffd_floor.py --smoke")
+            raise SystemExit("--smoke runs under the Triton interpreter: "
+                             "TRITON_INTERPRET=1 python bench/ffd_floor.py --smoke")
         checks = smoke()
         print(json.dumps(checks))
         raise SystemExit(0 if all(checks.values()) else 1)
     if not torch.cuda.is_available():
         raise SystemExit("ffd_floor needs a GPU (or --smoke under the interpreter)")
-    print_table(run(args.out, args.budget_s))
+    print_table(run(args.out, args.budget_s, args.profile))
 
 
 if __name__ == "__main__":
