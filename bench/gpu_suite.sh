@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of bench/RESULTS.md, each step under its own time limit, results
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
-# fits one 10-minute device session; correctness before speed, the end-to-end rows last.
+# fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
+# 2 minutes) is bench/ffd_floor.py.
 #   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor]
 set -u
 OUT=${1:-bench/results/gpu_suite}
