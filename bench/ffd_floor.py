@@ -441,12 +441,67 @@ def smoke() -> dict:
     return check_skeletons(sk)
 
 
+# --layers rows: (B, L, f)
+LAYERED = ((1, 131072, 0.1), (1, 131072, 0.02), (1, 262144, 0.1), (1, 262144, 0.02), (1, 65536, 0.1),
+           (1, 65536, 0.02), (8, 65536, 0.02), (8, 16384, 0.1), (8, 16384, 0.02), (1, 16384, 0.1))
+
+
+def run_layered(out_dir: Path, layers: int) -> dict:
+    """FFD and flash as a model step runs them: `layers` decodes in one graph, each over its own pages
+    (as the layers of one step), L2 cleaned once before the graph; µs per layer = graph / layers. The
+    fixed cost of a launch, which the one-decode graphs above pay once per row, is spread as in a step."""
+    from bench.ffd_kernels import Case, ffd, flash, params, sparsity
+    from bench.kernels import Timer, copy_bandwidth
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    timer, bw = Timer(), copy_bandwidth()
+    report = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "layers": layers, "rows": []}
+    p = params()
+    for batch, length, f_hot in LAYERED:
+        cases = [Case([length] * batch, 32, 8, 128, gen, f_hot=f_hot) for _ in range(layers)]
+        s = sum(sparsity(c, p) for c in cases) / layers
+        d = 128
+        bound = cases[0].dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - s) * 3 * d) / (4 * d) / bw * 1e6
+        one = min(timer(lambda cs=cases: ffd(cs[0], p)) for _ in range(2))
+        ffd_us = min(timer(lambda cs=cases: [ffd(c, p) for c in cs]) for _ in range(2)) / layers
+        flash_us = min(timer(lambda cs=cases: [flash(c) for c in cs]) for _ in range(2)) / layers
+        # the three-launch skeleton per layer, at the launch shapes that won most rows of the one-decode table
+        sks = [skeleton_for(c, p) for c in cases]
+        units, rows = sks[0].units, batch * 8
+        splits = min(128, triton.next_power_of_2(max(1, -(-8 * units // rows))))
+        scan_programs = max(1, 16 * units // rows)
+        three_us = min(timer(lambda a=a, sks=sks: [sk.three(scan_programs, 1, splits, a[2] * units - rows, 4,
+                                                            stages=a[1]) for sk in sks]) / layers
+                       for a in ((4, 2, 2), (4, 3, 2), (4, 2, 4)))
+        row = {"B": batch, "L": length, "f": f_hot, "sparsity": s, "bound_us": bound, "ffd_one_graph_us": one,
+               "ffd_per_layer_us": ffd_us, "flash_per_layer_us": flash_us, "three_per_layer_us": three_us}
+        del sks
+        report["rows"].append(row)
+        print("layered", json.dumps(row), flush=True)
+        del cases
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ffd_floor_layered.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{report['gpu']}, copy bandwidth {bw / 1e12:.2f} TB/s; µs per layer, {layers} decodes in one graph")
+    print("| B | L | sparsity | bound | 1.5 x bound | FFD alone (one graph) | FFD per layer | flash per layer | "
+          "three per layer | FFD/bound | three/bound | vs flash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        print(f"| {r['B']} | {r['L'] // 1024}K | {r['sparsity']:.3f} | {r['bound_us']:.1f} | "
+              f"{1.5 * r['bound_us']:.1f} | {r['ffd_one_graph_us']:.1f} | {r['ffd_per_layer_us']:.1f} | "
+              f"{r['flash_per_layer_us']:.1f} | {r['three_per_layer_us']:.1f} | "
+              f"{r['ffd_per_layer_us'] / r['bound_us']:.2f} | {r['three_per_layer_us'] / r['bound_us']:.2f} | "
+              f"{r['flash_per_layer_us'] / r['ffd_per_layer_us']:.2f}x |")
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--budget-s", type=float, default=400, help="no new row after this many seconds")
     ap.add_argument("--profile", action="store_true",
                     help="also each kernel's device time (torch profiler), FFD's and the skeletons', at four rows")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="instead: FFD and flash per layer with this many decodes in one graph, as in a model step")
     ap.add_argument("--smoke", action="store_true", help="CPU, under TRITON_INTERPRET=1: the checksums only")
     args = ap.parse_args()
     if args.smoke:
@@ -458,6 +513,9 @@ def main() -> None:
         raise SystemExit(0 if all(checks.values()) else 1)
     if not torch.cuda.is_available():
         raise SystemExit("ffd_floor needs a GPU (or --smoke under the interpreter)")
+    if args.layers:
+        run_layered(args.out, args.layers)
+        return
     print_table(run(args.out, args.budget_s, args.profile))
 
 
