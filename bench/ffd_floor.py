@@ -39,6 +39,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels.ffd import ATTEND_PROGRAMS_PER_SM, choose_splits  # noqa: E402
 from kernels.ffd_tiles import _release_next, _wait_previous  # noqa: E402
 from kernels.vendor import num_compute_units, programmatic_launch  # noqa: E402
 
@@ -326,8 +327,7 @@ def time_floor_row(timer, case, bw: float, label: str, profile: bool = False) ->
     units = sk.units
     rows = sk.batch * sk.hkv
     row = {"data": label, "B": sk.batch, "L": case.lens[0], "sparsity": s, "checks": check_skeletons(sk)}
-    d = case.dim
-    row["bound_us"] = case.dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - s) * 3 * d) / (4 * d) / bw * 1e6
+    row["bound_us"] = case.ffd_bytes(s) / bw * 1e6
     row["ffd_us"] = min(timer(lambda: ffd(case, p)) for _ in range(2))
     buf = torch.empty(-(-sk.bound_words() // 4096) * 4096, dtype=torch.int32, device=case.q.device).random_()
     row["stream_bytes"] = buf.numel() * 4
@@ -335,7 +335,7 @@ def time_floor_row(timer, case, bw: float, label: str, profile: bool = False) ->
         f"{k}/SM,{w}w": (lambda k=k, w=w, buf=buf: stream(buf, k * units, w)) for k in (2, 4, 8) for w in (4, 8)})
     del buf
     # each pass alone at a few launch shapes, then the three launches at the best two of each
-    splits = min(128, triton.next_power_of_2(max(1, -(-8 * units // rows))))
+    splits = choose_splits(sk.batch, sk.hkv, case.q.device, ATTEND_PROGRAMS_PER_SM)   # the FFD attend's grid
     scans = {f"{k}/SM,{w}w,{st}st": (max(1, k * units // rows), w, st)
              for k, w, st in ((12, 1, 4), (16, 1, 4), (8, 1, 4), (12, 1, 6), (8, 2, 4), (4, 4, 4))}
     attends = {f"{w}w,{st}st,{r}/SM": (w, st, r * units - rows)
@@ -459,15 +459,14 @@ def run_layered(out_dir: Path, layers: int) -> dict:
     for batch, length, f_hot in LAYERED:
         cases = [Case([length] * batch, 32, 8, 128, gen, f_hot=f_hot) for _ in range(layers)]
         s = sum(sparsity(c, p) for c in cases) / layers
-        d = 128
-        bound = cases[0].dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - s) * 3 * d) / (4 * d) / bw * 1e6
+        bound = cases[0].ffd_bytes(s) / bw * 1e6
         one = min(timer(lambda cs=cases: ffd(cs[0], p)) for _ in range(2))
         ffd_us = min(timer(lambda cs=cases: [ffd(c, p) for c in cs]) for _ in range(2)) / layers
         flash_us = min(timer(lambda cs=cases: [flash(c) for c in cs]) for _ in range(2)) / layers
         # the three-launch skeleton per layer, at the launch shapes that won most rows of the one-decode table
         sks = [skeleton_for(c, p) for c in cases]
         units, rows = sks[0].units, batch * 8
-        splits = min(128, triton.next_power_of_2(max(1, -(-8 * units // rows))))
+        splits = choose_splits(batch, 8, cases[0].q.device, ATTEND_PROGRAMS_PER_SM)
         scan_programs = max(1, 16 * units // rows)
         three_us = min(timer(lambda a=a, sks=sks: [sk.three(scan_programs, 1, splits, a[2] * units - rows, 4,
                                                             stages=a[1]) for sk in sks]) / layers

@@ -139,6 +139,12 @@ class Case:
     def dense_bytes(self) -> int:
         return sum(self.lens) * self.hkv * self.dim * 2 * 2
 
+    def ffd_bytes(self, sparsity: float) -> float:
+        """The bandwidth bound's bytes: codes and scales of every token, residual and V of the kept
+        blocks' (36 + 384 (1 - s)) / 512 of the dense bytes at D = 128."""
+        d = self.dim
+        return self.dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - sparsity) * 3 * d) / (4 * d)
+
     def contiguous(self):
         """[B, Hkv, L, D] K and V for SDPA (equal lengths)."""
         n = self.lens[0]
@@ -266,9 +272,7 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
         row["ffd_plain_launch_us"] = timer(lambda: ffd(case, p, pdl=False))
     if with_sdpa:
         row["sdpa_us"], row["sdpa_backend"] = sdpa_on_case(timer, case)
-    d = case.dim
-    ffd_bytes = case.dense_bytes() * ((d / 4 + 4 * d / BS) + (1 - s) * 3 * d) / (4 * d)
-    row["bound_us"] = ffd_bytes / bw * 1e6
+    row["bound_us"] = case.ffd_bytes(s) / bw * 1e6
     row["ffd_over_bound"] = row["ffd_us"] / row["bound_us"]
     row["speedup_vs_flash"] = row["flash_us"] / row["ffd_us"]
     if with_sdpa:
