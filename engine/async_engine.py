@@ -3,6 +3,11 @@
 Requests and aborts enter through a thread-safe queue that the loop drains before every step;
 each request's deltas go back to its asyncio queue with `call_soon_threadsafe`. Closing or
 cancelling a request's stream aborts it, which frees its KV blocks at the next step.
+
+A request that fails inside a step ends alone (engine/step_isolation.py). When the loop itself
+stops (`EngineUnrecoverable`, or any exception outside the per-request handling), every request
+in flight gets `EngineDead`, new ones are refused, and the failure listeners are told once, so
+the server can report it and exit for its supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -12,15 +17,19 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from engine.config import FdserveConfig
 from engine.errors import EngineDead, EngineOverloaded, RequestTimedOut
+from engine.faults import EngineUnrecoverable, describe
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# (reason label, message): called once, from the engine thread, when the loop stops on a failure
+FailureListener = Callable[[str, str], None]
 
 STATS_PERIOD_S = 0.05  # /metrics reads a snapshot at most this old while busy; idle refreshes it at once
 
@@ -47,7 +56,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
-        self._dead: BaseException | None = None
+        self._dead: str | None = None          # why the loop stopped, once it has
+        self._failure_reason: str | None = None
+        self._failure_listeners: list[FailureListener] = []
         self._stats = self.engine.stats()
 
     # ----- lifecycle -------------------------------------------------------------------------
@@ -74,11 +85,19 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def add_failure_listener(self, listener: FailureListener) -> None:
+        """`listener(reason, message)` once the loop stops on a failure (at once if it already has)."""
+        with self._lock:
+            self._failure_listeners.append(listener)
+            failed = self._failure_reason, self._dead
+        if failed[0] is not None and failed[1] is not None:
+            listener(failed[0], failed[1])
+
     # ----- requests --------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
-            raise EngineDead(f"the engine stopped after an internal error: {self._dead}")
+            raise EngineDead(self._dead)
         if not self._accepting:
             raise EngineOverloaded("the server is shutting down")
         if len(self._streams) >= self.config.server.max_queued_requests + self.config.backend.max_num_seqs:
@@ -163,12 +182,24 @@ class AsyncEngine:
                 if now - stats_at >= STATS_PERIOD_S:  # a snapshot per scrape interval, not per step
                     self._stats, stats_at = self.engine.stats(), now
         except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
-            logger.exception("engine loop failed")
-            self._dead = exc
-            with self._lock:
-                ids = list(self._streams)
-            for request_id in ids:
-                self._deliver(request_id, EngineDead(f"the engine stopped after an internal error: {exc}"))
+            self._stop_on_failure(exc)
+
+    def _stop_on_failure(self, exc: BaseException) -> None:
+        reason = exc.reason if isinstance(exc, EngineUnrecoverable) else "engine_error"
+        logger.critical("the engine cannot continue (%s): %s", reason, describe(exc), exc_info=exc)
+        message = f"the engine stopped after an internal error ({reason}): {describe(exc)}"
+        with self._lock:
+            self._dead, self._failure_reason = message, reason
+            ids = list(self._streams)
+            listeners = list(self._failure_listeners)
+        for request_id in ids:
+            self._deliver(request_id, EngineDead(message))
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - the last snapshot stays
+            pass
+        for listener in listeners:
+            listener(reason, message)
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:

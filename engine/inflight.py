@@ -22,16 +22,15 @@ PLACEHOLDER = -1   # the token a step in flight is sampling; no real token id is
 class InFlightStep:
     seqs: list[Sequence]            # row i sampled tokens[i]; still-running rows end in PLACEHOLDER
     tokens: torch.Tensor            # [B] sampled ids, on the device
-    host: list[torch.Tensor]        # host copies of tokens and of the logprob tensors, if any
+    host: list[torch.Tensor]        # host copies of the draw's tensors (engine/sampler.py DeviceSample)
     ready: Any = None               # CUDA event after those copies; None when they were synchronous
 
-    def read(self) -> tuple[list[int], list[list] | None]:
-        """Wait for this step (only this one: a later step may already be running); (token ids,
-        [chosen, top values, top ids] as lists, or None)."""
+    def read(self) -> list[list]:
+        """Wait for this step (only this one: a later step may already be running); the host
+        copies as lists, in the order they were copied (a `DeviceSample.tensors()`)."""
         if self.ready is not None:
             self.ready.synchronize()
-        lists = [t.tolist() for t in self.host]
-        return lists[0], (lists[1:] or None)
+        return [t.tolist() for t in self.host]
 
 
 def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:

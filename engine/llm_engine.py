@@ -1,5 +1,10 @@
 """The engine: requests in, forward steps out as token deltas. Called from one thread; a decode
-step may be launched before the previous one is read back (engine/inflight.py)."""
+step may be launched before the previous one is read back (engine/inflight.py).
+
+A failure inside a step ends only the requests it belongs to (engine/step_isolation.py): they
+finish with reason "error" and the message in `RequestOutput.error`, their KV blocks are freed,
+and the step goes on for the others. `EngineUnrecoverable` (engine/faults.py) propagates.
+"""
 from __future__ import annotations
 
 import logging
@@ -15,15 +20,17 @@ from engine.config import ConfigError, FdserveConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import select_device, select_dtype
 from engine.errors import ContextLengthExceeded
+from engine.faults import STAGE_NO_TOKEN, STAGE_OUTPUT, describe, raise_if_unrecoverable
 from engine.inflight import PLACEHOLDER, InFlightStep, copy_to_host, drop_placeholder
 from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PromptHidden
 from engine.outputs import CompletionDelta, EngineStats, RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_isolation import StepIsolation
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class _Request:
     num_prompt_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     sent_prompt_logprobs: bool = False
+    error: str | None = None   # set when the request failed inside the engine
 
 
 PROMPT_LOGITS_ROWS = 256   # prompt positions turned into [rows, vocab] logits at once (prompt logprobs)
@@ -95,7 +103,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
+        self.isolation = StepIsolation(self.runner, self.sampler, self._fail_seq)
         self.requests: dict[str, _Request] = {}
+        self.failed: dict[str, _Request] = {}   # failed since the last step's report
+        self.internal_errors: dict[str, int] = {}   # requests failed inside the engine, by stage
         self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
         self.attention_counters: dict[str, float] = {}
         self.async_scheduling = config.backend.async_scheduling
@@ -169,6 +180,7 @@ class LLMEngine:
         if lowest < 0 or highest >= self.vocab_size:
             bad = lowest if lowest < 0 else highest
             raise SamplingParamsError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        params.validate_for_vocab(self.vocab_size)
         # max_new_tokens is both the default and the cap; the context limit is enforced per step.
         params.max_tokens = self.max_new_tokens if params.max_tokens is None else min(params.max_tokens,
                                                                                        self.max_new_tokens)
@@ -191,7 +203,8 @@ class LLMEngine:
             if not choice.seq.is_finished:
                 drop_placeholder(choice.seq)   # its step in flight is dropped when read
                 self._finish(choice.seq, FinishReason.ABORT)
-        return self._collect(request)
+        self.failed.pop(request_id, None)
+        return self._report(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -201,36 +214,87 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.sampler.release(seq.seq_id)
 
+    # ----- failures --------------------------------------------------------------------------
+    def fail_request(self, request_id: str, stage: str, message: str) -> None:
+        """End every choice of a request with reason "error" (its blocks freed); reported by the
+        next step, or by `take_failed`."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.error is None:
+            request.error = message
+            self.internal_errors[stage] = self.internal_errors.get(stage, 0) + 1
+            logger.error("request %s failed (%s): %s", request_id, stage, message)
+        for choice in request.choices:
+            if not choice.seq.is_finished:
+                drop_placeholder(choice.seq)
+                self._finish(choice.seq, FinishReason.ERROR)
+        self.failed[request_id] = request
+
+    def _fail_seq(self, seq: Sequence, stage: str, message: str) -> None:
+        self.fail_request(seq.request_id, stage, message)
+
+    def take_failed(self) -> list[RequestOutput]:
+        """Reports of the requests failed since the last step's report."""
+        failed, self.failed = self.failed, {}
+        return [self._report(request) for request in failed.values()]
+
+    def _report(self, request: _Request) -> RequestOutput:
+        """`_collect`, or the request's error report when collecting is what fails."""
+        try:
+            return self._collect(request)
+        except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer fault: this request's alone
+            raise_if_unrecoverable(exc, 1)
+            self.fail_request(request.request_id, STAGE_OUTPUT, describe(exc))
+            self.failed.pop(request.request_id, None)
+            return self._collect(request)
+
+    def _accept(self, seq: Sequence, result: SampleResult | None) -> None:
+        """A drawn token for `seq`, or its failure (the row could not be drawn)."""
+        if result is None or seq.is_finished:   # its request failed in this step
+            return
+        if result.error is not None:
+            self.fail_request(seq.request_id, STAGE_NO_TOKEN, result.error)
+            return
+        try:
+            self._on_token(seq, result)
+        except Exception as exc:  # noqa: BLE001 - as in _report
+            raise_if_unrecoverable(exc, 1)
+            self.fail_request(seq.request_id, STAGE_OUTPUT, describe(exc))
+
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.in_flight is not None:
             return self._step_in_flight()
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return self.take_failed()
         if self._overlappable(out.scheduled):
-            self.in_flight = self._launch(out.scheduled)
-            self._append_placeholders(self.in_flight)
-            return []
-        logits, sampled, counters = self.runner.execute(out.scheduled)
-        self._record_prompt_logprobs()
-        self.num_forwarded_tokens += out.num_batched_tokens
-        for seq in out.scheduled:
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            self.block_manager.register_full_blocks(seq)
-        self._add_counters(counters)
+            launched = self._try_launch(out.scheduled)
+            if launched is not None:
+                self.in_flight = launched
+                self._append_placeholders(launched)
+                return self.take_failed()
         touched: dict[str, _Request] = {}
-        if sampled:
-            results = self.sampler(logits, sampled)
-            for seq, result in zip(sampled, results):
-                self._on_token(seq, result)
-                touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._collect(r) for r in touched.values()]
+        for part in self.isolation.forward(out.scheduled):
+            self._record_prompt_logprobs(part.prompt_hidden)
+            for seq in part.seqs:
+                self.num_forwarded_tokens += seq.num_scheduled_tokens
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+                self.block_manager.register_full_blocks(seq)
+            self._add_counters(part.counters)
+            if part.sampled:
+                for seq, result in zip(part.sampled, self.isolation.sample(part.logits, part.sampled)):
+                    self._accept(seq, result)
+                    touched[seq.request_id] = self.requests[seq.request_id]
+        for request_id in self.failed:
+            touched.pop(request_id, None)
+        return [self._report(r) for r in touched.values()] + self.take_failed()
 
-    def _record_prompt_logprobs(self) -> None:
-        """Score the prompt tokens the last forward predicted, for sequences that ask (a recomputed
+    def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
+        """Score the prompt tokens a forward predicted, for sequences that ask (a recomputed
         prefix after preemption is not scored twice)."""
-        for part in self.runner.prompt_hidden:
+        for part in prompt_hidden:
             seq, k = part.seq, part.seq.params.prompt_logprobs
             for lo in range(0, part.hidden.shape[0], PROMPT_LOGITS_ROWS):
                 logits = self.runner.model.compute_logits(part.hidden[lo:lo + PROMPT_LOGITS_ROWS])
@@ -262,17 +326,30 @@ class LLMEngine:
         scheduler = self.scheduler
         return bool(scheduler.waiting) and len(scheduler.running) < scheduler.max_num_seqs
 
+    def _try_launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep | None:
+        """`_launch`, or None when it raised (nothing was changed then): the step then runs
+        synchronously, where a failure is traced to its request."""
+        checkpoint = self.sampler.checkpoint(seqs)
+        try:
+            return self._launch(seqs, input_ids)
+        except Exception as exc:  # noqa: BLE001 - retried synchronously
+            raise_if_unrecoverable(exc, len(seqs))
+            logger.warning("an overlapped decode step of %d sequences failed (%s); running it synchronously",
+                           len(seqs), describe(exc))
+            self.sampler.restore(checkpoint)
+            return None
+
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
         logits, sampled, counters = self.runner.execute(seqs, input_ids)
         assert len(sampled) == len(seqs), "every row of an overlapped decode step samples"
         assert not self.runner.prompt_hidden, "an overlapped step scores no prompt token"
-        tokens, logprobs = self.sampler.sample_on_device(logits, seqs)
-        host, ready = copy_to_host([tokens, *(logprobs or [])])
+        draw = self.sampler.sample_on_device(logits, seqs)
+        host, ready = copy_to_host(draw.tensors())
         self.num_forwarded_tokens += len(seqs)
         for seq in seqs:
             seq.num_computed_tokens += 1
         self._add_counters(counters)
-        return InFlightStep(list(seqs), tokens, host, ready)
+        return InFlightStep(list(seqs), draw.token_ids, host, ready)
 
     @staticmethod
     def _append_placeholders(step: InFlightStep) -> None:
@@ -303,7 +380,7 @@ class LLMEngine:
                 seq.num_scheduled_tokens = 1
             ids = current.tokens if len(rows) == len(current.seqs) else \
                 current.tokens[torch.tensor(rows, device=current.tokens.device)]
-            following_step = self._launch(following, ids)
+            following_step = self._try_launch(following, ids)   # None: scheduled again next step
         outputs = self._resolve(current)
         if following_step is not None and any(not seq.is_finished for seq in following_step.seqs):
             self._append_placeholders(following_step)
@@ -315,18 +392,19 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """Put the step's sampled tokens in place of the placeholders and report them."""
         touched: dict[str, _Request] = {}
-        token_ids, logprobs = step.read()
-        for seq, result in zip(step.seqs, self.sampler.results(token_ids, logprobs, step.seqs)):
+        for seq, result in zip(step.seqs, self.sampler.results(step.read(), step.seqs)):
             if seq.is_finished:   # aborted, or ended by the step before (this row is dropped)
                 continue
             if seq.token_ids[-1] != PLACEHOLDER:
                 raise RuntimeError(f"sequence {seq.seq_id} lost its in-flight token")
             seq.token_ids.pop()
-            self._on_token(seq, result)
+            self._accept(seq, result)
             if not seq.is_finished:
                 self.block_manager.register_full_blocks(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._collect(r) for r in touched.values()]
+        for request_id in self.failed:
+            touched.pop(request_id, None)
+        return [self._report(r) for r in touched.values()] + self.take_failed()
 
     def _on_token(self, seq: Sequence, result) -> None:
         params = seq.params
@@ -376,6 +454,10 @@ class LLMEngine:
                 continue
             new_ids = seq.output_token_ids[choice.sent_tokens:]
             choice.sent_tokens = seq.num_output_tokens
+            if request.error is not None:   # every choice ends in the error; no text: the detokenizer may have failed
+                deltas.append(CompletionDelta(seq.choice_index, "", new_ids, [], FinishReason.ERROR.value))
+                choice.reported_finish = True
+                continue
             text_ids = [t for t in new_ids if t not in seq.params.stop_token_ids]
             step = choice.detokenizer.add_tokens(text_ids)
             text = step.text
@@ -401,7 +483,7 @@ class LLMEngine:
             request_id=request.request_id, deltas=deltas, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
             num_output_tokens=sum(c.seq.num_output_tokens for c in request.choices), finished=finished,
-            prompt_logprobs=prompt_logprobs)
+            error=request.error, prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -412,7 +494,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
             attention_counters={k: float(v) for k, v in self.attention_counters.items()},
             decode_path=self.decode_path,
-            num_graph_steps=self.runner.num_graph_steps)
+            num_graph_steps=self.runner.num_graph_steps,
+            internal_errors=dict(self.internal_errors))
 
 
 def _default_served_name(config: FdserveConfig, model_dir: Path) -> str:

@@ -48,6 +48,7 @@ class EngineStats:
     attention_counters: dict[str, float]
     decode_path: str = ""          # CUDA graphs or eager; asynchronous or synchronous scheduling
     num_graph_steps: int = 0       # decode steps replayed from a CUDA graph
+    internal_errors: dict[str, int] = field(default_factory=dict)   # requests failed in the engine, by stage
 
     @property
     def kv_usage(self) -> float:

@@ -1,10 +1,17 @@
 """Turns one step's logits into one token per sequence.
 
-Order: repetition / presence / frequency penalties on the raw logits, logit_bias, the
-min_tokens mask (last, so no bias can lift it); then, for non-greedy rows, temperature,
-top-k, top-p, min-p and a draw. Every stage runs only on the rows that use it, vectorised
-over those rows; a batch of plain greedy requests is a single argmax. Logprobs are read from
-the raw logits, as OpenAI reports them.
+Order: repetition / presence / frequency penalties on the raw logits, logit_bias (a bias of
+-100 bans the token, as OpenAI documents it), logits processors, the min_tokens mask (last, so
+no bias can lift it, and dropped for a row it would leave with no token); then, for non-greedy
+rows, temperature, top-k, top-p, min-p and a draw. Every stage runs only on the rows that use
+it, vectorised over those rows; a batch of plain greedy requests is a single argmax. Logprobs
+are read from the raw logits, as OpenAI reports them.
+
+Every value `SamplingParams` admits gives a defined draw: NaN logits count as banned, +inf as
+the largest float, top_p keeps at least the most likely token, top_k above the vocabulary is
+the vocabulary. A row left with no admissible token at all (a model that returned NaN, a
+grammar whose every token the request banned) is reported in its `SampleResult.error`
+instead of a token, so the engine ends that request alone.
 
 Callers must `release(seq_id)` every sequence that ends (finished or aborted): the sampler
 keeps per-sequence generators (seeded requests) and penalty statistics until then.
@@ -17,16 +24,43 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BANNED_BIAS, SamplingParams
 from engine.sequence import Sequence, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads choice indices over the 64-bit seed space
+
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
+_FLOAT_TINY = torch.finfo(torch.float32).tiny
+NO_ADMISSIBLE_TOKEN = "no token is admissible for this request (every logit is banned or not a number)"
 
 
 @dataclass
 class SampleResult:
     token_id: int
     logprob: TokenLogprob | None
+    error: str | None = None   # the row could not be sampled; token_id is meaningless then
+
+
+@dataclass
+class DeviceSample:
+    """One step's draw on the logits' device, nothing read back yet."""
+
+    token_ids: Tensor                 # [N] long
+    admissible: Tensor                # [N] bool: False where no token could be drawn
+    logprobs: list[Tensor] | None     # [chosen, top values, top ids] for the rows that ask
+
+    def tensors(self) -> list[Tensor]:
+        return [self.token_ids, self.admissible, *(self.logprobs or [])]
+
+
+@dataclass
+class RngCheckpoint:
+    """The random state a draw consumes (the shared CPU stream, each seeded row's generator),
+    so a step that is sampled again after a failure draws exactly what it would have."""
+
+    shared: Tensor
+    seeded: dict[int, Tensor]
 
 
 class _PenaltyState:
@@ -70,26 +104,40 @@ class Sampler:
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Row i of `logits` [N, V] (float32) belongs to seqs[i]; returns one result per row."""
-        token_ids, logprobs = self.sample_on_device(logits, seqs)
-        return self.results(token_ids.tolist(), None if logprobs is None else [t.tolist() for t in logprobs],
-                            seqs)
+        draw = self.sample_on_device(logits, seqs)
+        return self.results([t.tolist() for t in draw.tensors()], seqs)
 
-    def sample_on_device(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, list[Tensor] | None]:
-        """(token ids [N], logprob tensors or None), all on the logits' device, nothing read back:
-        `results` turns their host copies into SampleResults."""
-        token_ids = self.sample_ids(logits, seqs)
-        return token_ids, self._logprob_tensors(logits[:, :self.vocab_size], token_ids, [s.params for s in seqs])
+    def sample_on_device(self, logits: Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """The draw, on the logits' device, nothing read back: `results` turns the host copies of
+        its `tensors()` into SampleResults."""
+        token_ids, admissible = self._draw(logits, seqs)
+        logprobs = self._logprob_tensors(logits[:, :self.vocab_size], token_ids, [s.params for s in seqs])
+        return DeviceSample(token_ids, admissible, logprobs)
 
-    def results(self, token_ids: list[int], logprobs: list[list] | None, seqs: list[Sequence]) -> list[SampleResult]:
+    def results(self, host: list[list], seqs: list[Sequence]) -> list[SampleResult]:
+        """SampleResults from the host lists of a `DeviceSample.tensors()`."""
+        token_ids, admissible, *logprobs = host
         params = [s.params for s in seqs]
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         found: dict[int, TokenLogprob] = {}
-        if logprobs is not None:
+        if logprobs:
             chosen, top_v, top_i = logprobs
             for j, i in enumerate(rows):
                 n = params[i].logprobs
                 found[i] = TokenLogprob(token_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
-        return [SampleResult(t, found.get(i)) for i, t in enumerate(token_ids)]
+        return [SampleResult(t, found.get(i)) if ok else SampleResult(t, None, NO_ADMISSIBLE_TOKEN)
+                for i, (t, ok) in enumerate(zip(token_ids, admissible))]
+
+    def checkpoint(self, seqs: list[Sequence]) -> RngCheckpoint:
+        seeded = {s.seq_id: self._generator(s).get_state() for s in seqs if s.params.seed is not None}
+        return RngCheckpoint(torch.get_rng_state(), seeded)
+
+    def restore(self, checkpoint: RngCheckpoint) -> None:
+        torch.set_rng_state(checkpoint.shared)
+        for seq_id, state in checkpoint.seeded.items():
+            generator = self._generators.get(seq_id)
+            if generator is not None:
+                generator.set_state(state)
 
     def token_logprobs(self, logits: Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
         """Logprob of token_ids[i] under row i of `logits` [N, V] (raw, as sampled tokens report
@@ -107,10 +155,17 @@ class Sampler:
 
     def sample_ids(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """The chosen token ids [N] on the logits' device; reads nothing back from the device."""
+        return self._draw(logits, seqs)[0]
+
+    def _draw(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor]:
+        """(token ids [N], admissible [N]) on the logits' device; reads nothing back."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
         raw = logits[:, :self.vocab_size]  # the LM head may be padded past the tokenizer's vocab
         params = [s.params for s in seqs]
-        x = self.process_logits(raw, seqs)
+        x = _finite(self.process_logits(raw, seqs))
+        admissible = x.amax(dim=-1) > float("-inf")
+        # A row with nothing admissible is reported, not drawn from: make it harmless to draw.
+        x = x.masked_fill(~admissible.unsqueeze(1), 0.0)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             token_ids = x.argmax(dim=-1)
@@ -120,7 +175,7 @@ class Sampler:
             if greedy_rows:
                 token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
             token_ids[sampled_rows] = self._sample(_take(x, sampled_rows), [seqs[i] for i in sampled_rows])
-        return token_ids
+        return token_ids, admissible
 
     def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """Penalties, logit_bias and the min_tokens mask; `logits` itself is never modified
@@ -138,9 +193,12 @@ class Sampler:
                     x[i] = processor(seq.output_token_ids, x[i])
         banned = self._min_tokens_bans(seqs, x.shape[1])
         if banned:
-            x = x if x is not logits else x.clone()
             rows, cols = zip(*banned)
-            x[list(rows), list(cols)] = float("-inf")
+            masked = x.clone()
+            masked[list(rows), list(cols)] = float("-inf")
+            # min_tokens yields where it would leave no token (e.g. a grammar that allows only EOS)
+            left = (masked > float("-inf")).any(dim=-1, keepdim=True)
+            x = torch.where(left, masked, x)
         return x
 
     # -- logit processors (each modifies `x` in place and returns it) --
@@ -159,7 +217,8 @@ class Sampler:
             if p.repetition_penalty != 1.0:  # HF: every id in prompt + output
                 ids = state.seen_ids()
                 rep_idx.append(ids + i * width)
-                rep_pen.append(torch.full((ids.numel(),), p.repetition_penalty))
+                # a penalty below float32's range would divide by zero
+                rep_pen.append(torch.full((ids.numel(),), max(p.repetition_penalty, _FLOAT_TINY)))
             if (p.presence_penalty or p.frequency_penalty) and state.counts:  # OpenAI: output only
                 sub_idx.append(torch.tensor(list(state.counts), dtype=torch.long) + i * width)
                 counts = torch.tensor(list(state.counts.values()), dtype=torch.float32)
@@ -168,7 +227,7 @@ class Sampler:
         if rep_idx:  # statistics live on the CPU; the logits may be on the GPU
             idx, pen = torch.cat(rep_idx).to(x.device), torch.cat(rep_pen).to(x.device)
             values = flat[idx]
-            flat[idx] = torch.where(values > 0, values / pen, values * pen)
+            flat[idx] = _saturating(values, torch.where(values > 0, values / pen, values * pen))
         if sub_idx:
             idx = torch.cat(sub_idx).to(x.device)
             flat[idx] = flat[idx] - torch.cat(sub_amount).to(x.device)
@@ -176,15 +235,23 @@ class Sampler:
 
     def _apply_logit_bias(self, x: Tensor, seqs: list[Sequence]) -> Tensor:
         rows, cols, values = [], [], []
+        ban_rows, ban_cols = [], []
         for i, seq in enumerate(seqs):
             for token_id, bias in seq.params.logit_bias.items():
                 token_id = int(token_id)
-                if 0 <= token_id < x.shape[1]:  # the protocol layer rejects others; never index out
+                if not 0 <= token_id < x.shape[1]:  # the protocol layer rejects these; never index out
+                    continue
+                if float(bias) <= BANNED_BIAS:
+                    ban_rows.append(i)
+                    ban_cols.append(token_id)
+                else:
                     rows.append(i)
                     cols.append(token_id)
                     values.append(float(bias))
         if rows:
             x[rows, cols] += torch.tensor(values, device=x.device)
+        if ban_rows:
+            x[ban_rows, ban_cols] = float("-inf")
         return x
 
     def _min_tokens_bans(self, seqs: list[Sequence], width: int) -> list[tuple[int, int]]:
@@ -204,9 +271,10 @@ class Sampler:
         # Unnormalised probabilities, largest exactly 1: every filter below and the draw work
         # relative to the row's total, so the softmax's normalising pass is never needed.
         dev = x.device
-        probs = x.div(torch.tensor([[p.temperature] for p in params], device=dev))
+        probs = _finite(_saturating(x, x.div(torch.tensor([[p.temperature] for p in params], device=dev))))
         probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
-        rows = [i for i, p in enumerate(params) if p.top_k > 0]
+        width = probs.shape[1]
+        rows = [i for i, p in enumerate(params) if 0 < p.top_k < width]   # top_k >= the vocabulary: off
         if rows:
             _in_rows(probs, rows, _top_k_, torch.tensor([[params[i].top_k] for i in rows]))  # host: no sync
         rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
@@ -225,8 +293,11 @@ class Sampler:
                 uniform[i] = torch.rand(1, generator=self._generator(seq))
         uniform = uniform.to(dev)  # drawn on the CPU so seeded streams are device-independent
         cdf = probs.cumsum_(dim=-1)
-        out = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        return out.clamp_(max=cdf.shape[1] - 1)  # u * total may round up to total itself
+        total = cdf[:, -1:]
+        # u * total may round up to total, which would land past the last token with any weight
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        out = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return out.clamp_(max=cdf.shape[1] - 1)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
@@ -250,11 +321,23 @@ class Sampler:
 def _logprob_columns(raw: Tensor, ids: Tensor, k: int) -> list[Tensor]:
     """[chosen [R], top values [R, k], top ids [R, k]]: log-softmax of raw logits rows [R, V] at
     token ids [R], and each row's k most likely tokens."""
-    logp = torch.log_softmax(raw.float(), dim=-1)
+    logp = torch.log_softmax(_finite(raw.float()), dim=-1)
     chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
     k = min(k, logp.shape[1])
     top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
     return [chosen, top_v, top_i]
+
+
+def _finite(x: Tensor) -> Tensor:
+    """NaN as banned (-inf), +inf as the largest float: what reaches a draw is ordered and finite
+    or banned. A new tensor; `x` is left alone."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+
+
+def _saturating(before: Tensor, after: Tensor) -> Tensor:
+    """`after`, an arithmetic result of `before`, clamped to float32's range where it overflowed
+    (a very negative logit scaled up is not a ban); `before`'s own infinities are kept."""
+    return torch.where(before.isinf(), before, after.clamp(-_FLOAT_MAX, _FLOAT_MAX))
 
 
 def _take(t: Tensor, rows: list[int]) -> Tensor:
@@ -300,7 +383,8 @@ def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
         mass = values.cumsum(dim=-1)
         g = goal[pending]
         done = (mass[:, -1:] >= g).squeeze(1) if k < width else torch.ones(len(pending), dtype=torch.bool, device=probs.device)
-        n_keep = ((mass - values) < g).sum(dim=-1, keepdim=True)  # weight before it is short of goal
+        # weight before it is short of goal; at least the heaviest (a top_p below float32's range is 0)
+        n_keep = ((mass - values) < g).sum(dim=-1, keepdim=True).clamp_(min=1)
         threshold[pending[done]] = values.gather(1, n_keep - 1)[done]
         pending = pending[~done]
         k = min(k * 8, width)

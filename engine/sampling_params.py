@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 
 
+BANNED_BIAS = -100.0  # logit_bias at OpenAI's lower bound bans the token outright
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter that can never be honoured; `param` names the request field."""
 
@@ -24,7 +27,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: disabled
+    top_k: int = -1  # <= 0: disabled (stored as -1); above the vocabulary: the whole vocabulary
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -48,7 +51,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
-        if self.top_k == 0:
+        if self.top_k <= 0:
             self.top_k = -1
         self.validate()
 
@@ -62,7 +65,6 @@ class SamplingParams:
             (self.n <= 128, "n must be at most 128", "n"),
             (0.0 <= self.temperature <= 2.0 + 1e-9, "temperature must be in [0, 2]", "temperature"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1", "top_k"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
@@ -80,3 +82,11 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             if not -100.0 <= float(bias) <= 100.0:
                 raise SamplingParamsError(f"logit_bias for token {token_id} must be in [-100, 100]", "logit_bias")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """What needs the vocabulary: a logit_bias of -100 bans a token, and banning them all
+        leaves nothing to generate."""
+        banned = {int(t) for t, bias in self.logit_bias.items() if float(bias) <= BANNED_BIAS and 0 <= int(t) < vocab_size}
+        if len(banned) >= vocab_size:
+            raise SamplingParamsError(f"logit_bias bans every token of the vocabulary ({vocab_size}); "
+                                      "leave at least one above -100", "logit_bias")
