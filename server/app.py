@@ -11,8 +11,13 @@ from server import __version__
 from server.auth import APIKeyMiddleware
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
+from server.openapi import install_openapi
 from server.routes import router
 from server.state import EngineFactory, ServerState, default_engine_factory
+
+
+DESCRIPTION = ("OpenAI-compatible LLM server. Every route also answers without the /v1 prefix. "
+               "With [api] api_key set, /v1 routes need `Authorization: Bearer <key>`.")
 
 
 def build_app(config: FdserveConfig, engine: Any | None = None,
@@ -33,11 +38,12 @@ def build_app(config: FdserveConfig, engine: Any | None = None,
             # uvicorn has already waited for the requests in flight (SIGTERM); drain what is left.
             await state.shutdown(config.server.request_timeout)
 
-    app = FastAPI(title="fdserve", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="fdserve", version=__version__, lifespan=lifespan, description=DESCRIPTION,
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.fdserve = state
     install_error_handlers(app)
-    app.include_router(router)
+    install_openapi(app)
+    app.include_router(router, include_in_schema=False)   # the same routes; the document lists /v1
     app.include_router(router, prefix="/v1")
     # Starlette runs the last-added middleware first: keys are checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)

@@ -13,7 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import error_body
 
-OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics", "/v1/metrics", "/version", "/v1/version"})
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics", "/v1/metrics", "/version", "/v1/version",
+                        "/openapi.json", "/docs"})
 
 
 def _digest(key: str) -> bytes:

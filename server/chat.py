@@ -95,8 +95,7 @@ class ChatRun:
         processors = await constraint_processors(engine, req.response_format, self.plan)
         if processors:
             params.logits_processors = processors
-        return Generation(engine, self.state.metrics, "chat", self.id, [prompt], params,
-                          on_engine_dead=self.state.mark_engine_dead)
+        return Generation(engine, self.state.metrics, "chat", self.id, [prompt], params)
 
     def _choices(self, n: int) -> list[_Choice]:
         parse = self.plan is not None and self.plan.parse_calls

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -101,15 +103,27 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+# After the engine fails, the process is gone within this many seconds even if a client keeps a
+# response open: a supervisor restarts it, and a server that lives on without serving helps nobody.
+FAILURE_EXIT_DEADLINE_S = 30.0
+
+
 @subcommand("serve", "start the OpenAI-compatible server", _configure_serve)
 def serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    setup_logging(config.server.log_level)
+    return run_server(config)
+
+
+def run_server(config: FdserveConfig, engine_factory: Any = None) -> int:
+    """Serve until SIGTERM / SIGINT (0) or a failure: the model not loading (1), the engine
+    stopping while serving (3). `engine_factory` builds the engine (default: AsyncEngine)."""
     import uvicorn
 
     from server.app import build_app
+    from server.state import default_engine_factory
 
-    config = config_from_args(args)
-    setup_logging(config.server.log_level)
-    app = build_app(config)
+    app = build_app(config, engine_factory=engine_factory or default_engine_factory)
     state = app.state.fdserve
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
@@ -118,14 +132,24 @@ def serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=30))
 
     def stop_on_failure() -> None:
-        server.should_exit = True
+        server.should_exit = True   # requests in flight have their errors; uvicorn lets them be sent
+        deadline = threading.Timer(FAILURE_EXIT_DEADLINE_S, _exit_now, args=(state.exit_code,))
+        deadline.daemon = True
+        deadline.start()
 
-    state.on_load_failure = stop_on_failure
+    state.on_failure = stop_on_failure
     logging.getLogger("fdserve.server").info(
         "fdserve %s listening on %s:%d (clients: %s); loading the model...", __version__,
         config.server.host, config.server.port, _base_url(config))
     server.run()
-    return 1 if state.phase == "failed" else 0
+    return state.exit_code
+
+
+def _exit_now(code: int) -> None:
+    logging.getLogger("fdserve.server").error("still running %.0fs after the engine failed; exiting with "
+                                              "status %d", FAILURE_EXIT_DEADLINE_S, code)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _base_url(config: FdserveConfig) -> str:

@@ -76,7 +76,7 @@ class CompletionRun:
         if processors:
             params.logits_processors = processors
         return Generation(engine, self.state.metrics, "completions", self.id, prompts, params,
-                          prompt_param="prompt", on_engine_dead=self.state.mark_engine_dead)
+                          prompt_param="prompt")
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,

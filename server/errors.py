@@ -130,4 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+        error = from_engine_error(exc)
+        if error.status >= 500:
+            request.app.state.fdserve.metrics.server_errors.labels(type(exc).__name__).inc()
+        return error.response()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from engine.errors import EngineDead
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_engine_error
@@ -30,10 +29,8 @@ class ClientDisconnected(Exception):
 
 class Generation:
     def __init__(self, engine: Any, metrics: ServerMetrics, route: str, request_id: str,
-                 prompts: list[list[int]], params: SamplingParams, prompt_param: str = "messages",
-                 on_engine_dead: Callable[[str], None] | None = None) -> None:
+                 prompts: list[list[int]], params: SamplingParams, prompt_param: str = "messages") -> None:
         self.engine = engine
-        self.on_engine_dead = on_engine_dead
         self.metrics = metrics
         self.route = route
         self.request_id = request_id
@@ -115,8 +112,6 @@ class Generation:
             raise self._api_error(exc) from None
 
     def _api_error(self, exc: BaseException) -> APIError:
-        if isinstance(exc, EngineDead) and self.on_engine_dead is not None:
-            self.on_engine_dead(str(exc))
         return from_engine_error(exc, self.prompt_param)
 
     async def _outputs_of(self, index: int) -> AsyncIterator[RequestOutput]:

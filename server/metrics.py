@@ -54,6 +54,12 @@ class _EngineCollector(Collector):
         for name, value in sorted(stats.attention_counters.items()):
             counters.add_metric([name], float(value))
         yield counters
+        failures = CounterMetricFamily("fdserve_request_internal_errors",
+                                       "Requests ended by an internal error in the engine, by the stage that failed",
+                                       labels=["stage"])
+        for stage, count in sorted(stats.internal_errors.items()):
+            failures.add_metric([stage], float(count))
+        yield failures
 
 
 class ServerMetrics:
@@ -76,6 +82,13 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("fdserve_e2e_request_latency_seconds", "Arrival to last output",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.server_errors = Counter("fdserve_server_internal_errors",
+                                     "Requests answered 500 by an unexpected error in the HTTP layer, by exception",
+                                     ["exception"], registry=r)
+        self.engine_starts = Counter("fdserve_engine_starts", "Engines started (loaded) by this process", registry=r)
+        self.engine_exits = Counter("fdserve_engine_exits",
+                                    "Engines stopped, by reason (shutdown, or the failure that ended the engine)",
+                                    ["reason"], registry=r)
         r.register(_EngineCollector(stats))
 
     def render(self) -> bytes:

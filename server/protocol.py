@@ -147,7 +147,7 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     tools: list[Tool] | None = None

@@ -38,7 +38,7 @@ def usage(gen: Generation) -> dict[str, Any]:
 def choice_error(delta: CompletionDelta, error: str | None) -> APIError | None:
     """An engine finish that is no answer: the request was aborted or failed inside the engine."""
     if delta.finish_reason == "error":
-        return APIError(500, error or "the engine failed while generating", "server_error", None, "engine_error")
+        return APIError(500, error or "the engine failed while generating", "server_error", None, "internal_error")
     if delta.finish_reason == "abort":
         return APIError(503, "the request was aborted by the server", "service_unavailable_error", None,
                         "request_aborted")

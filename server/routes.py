@@ -14,6 +14,7 @@ from server.completions import create_completion
 from server.errors import APIError, bad_request, error_body, validation_error
 from server.generation import log_rejected
 from server.metrics import CONTENT_TYPE
+from server.openapi import request_body
 from server.prompts import encode_prompt, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
@@ -46,13 +47,13 @@ async def _parse(request: Request, model: type[Body], route: str) -> Body:
         raise
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     req = await _parse(request, ChatCompletionRequest, "chat")
     return await create_chat_completion(request, _state(request), req)
 
 
-@router.post("/completions")
+@router.post("/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     req = await _parse(request, CompletionRequest, "completions")
     return await create_completion(request, _state(request), req)
@@ -102,7 +103,7 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
     req = await _parse(request, TokenizeRequest, "tokenize")
     state = _state(request)
@@ -119,7 +120,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     return {"count": len(tokens), "max_model_len": engine.max_context_len, "tokens": tokens}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, Any]:
     req = await _parse(request, DetokenizeRequest, "detokenize")
     state = _state(request)

@@ -1,7 +1,9 @@
 """The server's view of the engine: loading (in a background thread), ready, draining, failed.
 
 The HTTP port opens before the model has loaded, so /health can answer 503 while it loads
-(orchestrators and clients wait on it) and a load failure is reported, not hidden.
+(orchestrators and clients wait on it) and a load failure is reported, not hidden. When the
+engine stops on a failure while serving, /health says so and `on_failure` asks the process
+to exit (`exit_code` says how), so that Docker, systemd or Kubernetes restart it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from server.metrics import ServerMetrics
 logger = logging.getLogger("fdserve.server")
 
 EngineFactory = Callable[[FdserveConfig], Any]
+
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 1          # the model did not load (bad path, config, out of memory at startup)
+EXIT_ENGINE_FAILED = 3        # the engine stopped while serving (a device error, an unrecoverable OOM)
 
 
 def default_engine_factory(config: FdserveConfig) -> Any:
@@ -45,11 +51,18 @@ class ServerState:
         self.engine = engine
         self.phase = "ready" if engine is not None else "loading"
         self.load_error: str | None = None
+        self.exit_code = EXIT_OK
         self.started = time.time()
         self.metrics = ServerMetrics(self._stats)
         self.token_texts: TokenTexts | None = TokenTexts(engine.tokenizer) if engine is not None else None
-        self.on_load_failure: Callable[[], None] | None = None
+        self.on_failure: Callable[[], None] | None = None   # the server should stop (load or engine failure)
         self._release_loader = threading.Event()
+        if engine is not None:
+            self._watch(engine)
+
+    def _watch(self, engine: Any) -> None:
+        self.metrics.engine_starts.inc()
+        engine.add_failure_listener(self._engine_failed)
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
@@ -68,13 +81,15 @@ class ServerState:
         except Exception as exc:  # noqa: BLE001 - reported on /health and in the log, then the server stops
             self.load_error = f"{type(exc).__name__}: {exc}"
             self.phase = "failed"
+            self.exit_code = EXIT_LOAD_FAILED
             logger.error("model failed to load: %s", self.load_error)
-            if self.on_load_failure is not None:
-                self.on_load_failure()
+            if self.on_failure is not None:
+                self.on_failure()
             return
         self.token_texts = TokenTexts(engine.tokenizer)
         self.engine = engine
         self.phase = "ready"
+        self._watch(engine)
         self.log_ready(time.monotonic() - started)
         # Park this thread instead of letting it end: measured on CPU, once the thread that
         # loaded the model (and ran torch's first parallel regions) has exited, the engine's
@@ -88,12 +103,16 @@ class ServerState:
                     took, public_base_url(self.config), engine.served_model_name, engine.max_context_len,
                     engine.attention_path)
 
-    def mark_engine_dead(self, reason: str) -> None:
-        """The engine loop stopped: /health says so (503) and new requests are refused."""
-        if self.phase == "ready":
-            logger.error("engine failed: %s", reason)
-            self.load_error = reason
-            self.phase = "failed"
+    def _engine_failed(self, reason: str, message: str) -> None:
+        """The engine loop stopped (called from its thread): /health says so (503), new requests
+        are refused, and the server is asked to exit."""
+        self.metrics.engine_exits.labels(reason).inc()
+        self.load_error = message
+        self.phase = "failed"
+        self.exit_code = EXIT_ENGINE_FAILED
+        logger.error("engine failed; the server exits with status %d: %s", EXIT_ENGINE_FAILED, message)
+        if self.on_failure is not None:
+            self.on_failure()
 
     # ----- per request -----------------------------------------------------------------------
     def ready_engine(self) -> Any:
@@ -115,7 +134,7 @@ class ServerState:
     async def shutdown(self, drain_timeout: float) -> None:
         """SIGTERM: refuse new requests, let those in flight finish, stop the engine."""
         engine = self.engine
-        if self.phase != "failed":      # a failed load or engine stays failed: `fdserve serve` exits 1 on it
+        if self.phase != "failed":      # a failed load or engine stays failed: `fdserve serve` exits non-zero
             self.phase = "draining"
         self._release_loader.set()
         if engine is None:
@@ -123,4 +142,6 @@ class ServerState:
         logger.info("draining: waiting up to %.0fs for requests in flight", drain_timeout)
         await engine.drain(drain_timeout)
         engine.shutdown()
+        if self.exit_code == EXIT_OK:
+            self.metrics.engine_exits.labels("shutdown").inc()
         logger.info("engine stopped")

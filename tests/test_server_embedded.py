@@ -65,3 +65,23 @@ def test_tool_call_round_trip_with_the_real_template(client):
     assert text.strip() or finish == ["tool_calls"]
     assert finish and finish[-1] in ("stop", "length", "tool_calls")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", [{"top_p": 1e-154}, {"temperature": 2, "top_p": 1e-300}])
+def test_a_top_p_below_float32s_range_answers_and_the_server_goes_on(client, sampling, stream):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    if stream:
+        chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                                     max_tokens=8, stream=True, **sampling))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                              max_tokens=8, **sampling).choices[0].message.content
+    assert text.strip()
+    completion = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                           max_tokens=4, **sampling)
+    assert completion.choices[0].text
+    again = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=20,
+                                           messages=messages)
+    assert "Paris" in again.choices[0].message.content
