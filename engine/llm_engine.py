@@ -20,7 +20,7 @@ from engine.config import ConfigError, FdserveConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import select_device, select_dtype
 from engine.errors import ContextLengthExceeded
-from engine.faults import STAGE_NO_TOKEN, STAGE_OUTPUT, describe, raise_if_unrecoverable
+from engine.faults import STAGE_NO_TOKEN, STAGE_OUTPUT, EngineUnrecoverable, describe, raise_if_unrecoverable
 from engine.inflight import PLACEHOLDER, InFlightStep, copy_to_host, drop_placeholder
 from engine.layers import configure_matmul, linear_shapes
 from engine.loader import load_model, resolve_model_dir
@@ -56,6 +56,9 @@ class _Request:
     error: str | None = None   # set when the request failed inside the engine
 
 
+# This many requests failing inside the engine in a row, none finishing in between, is no request's
+# fault but the engine's: it stops rather than live on without serving.
+FAILURES_IN_A_ROW_LIMIT = 32
 PROMPT_LOGITS_ROWS = 256   # prompt positions turned into [rows, vocab] logits at once (prompt logprobs)
 
 
@@ -107,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.failed: dict[str, _Request] = {}   # failed since the last step's report
         self.internal_errors: dict[str, int] = {}   # requests failed inside the engine, by stage
+        self.failures_in_a_row = 0
         self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
         self.attention_counters: dict[str, float] = {}
         self.async_scheduling = config.backend.async_scheduling
@@ -224,7 +228,11 @@ class LLMEngine:
         if request.error is None:
             request.error = message
             self.internal_errors[stage] = self.internal_errors.get(stage, 0) + 1
+            self.failures_in_a_row += 1
             logger.error("request %s failed (%s): %s", request_id, stage, message)
+            if self.failures_in_a_row >= FAILURES_IN_A_ROW_LIMIT:
+                raise EngineUnrecoverable("every_request_failing", f"the last {self.failures_in_a_row} requests "
+                                          f"all failed inside the engine; the last: {message}")
         for choice in request.choices:
             if not choice.seq.is_finished:
                 drop_placeholder(choice.seq)
@@ -479,6 +487,8 @@ class LLMEngine:
         finished = all(c.reported_finish for c in request.choices)
         if finished:
             self.requests.pop(request.request_id, None)
+            if request.error is None:
+                self.failures_in_a_row = 0
         return RequestOutput(
             request_id=request.request_id, deltas=deltas, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,

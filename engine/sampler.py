@@ -107,9 +107,11 @@ class Sampler:
         draw = self.sample_on_device(logits, seqs)
         return self.results([t.tolist() for t in draw.tensors()], seqs)
 
+    @torch.inference_mode()   # the logits come from an inference-mode forward and are updated in place
     def sample_on_device(self, logits: Tensor, seqs: list[Sequence]) -> DeviceSample:
         """The draw, on the logits' device, nothing read back: `results` turns the host copies of
-        its `tensors()` into SampleResults."""
+        its `tensors()` into SampleResults. NaN in `logits` become -inf and +inf the largest float,
+        in place."""
         token_ids, admissible = self._draw(logits, seqs)
         logprobs = self._logprob_tensors(logits[:, :self.vocab_size], token_ids, [s.params for s in seqs])
         return DeviceSample(token_ids, admissible, logprobs)
@@ -162,19 +164,21 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
         raw = logits[:, :self.vocab_size]  # the LM head may be padded past the tokenizer's vocab
         params = [s.params for s in seqs]
-        x = _finite(self.process_logits(raw, seqs))
+        x = self.process_logits(raw, seqs)
+        # in place (on `logits` itself when nothing processed them): one pass, no copy per step
+        x.nan_to_num_(nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            best, token_ids = x.max(dim=-1)
+            return token_ids, best > float("-inf")
         admissible = x.amax(dim=-1) > float("-inf")
         # A row with nothing admissible is reported, not drawn from: make it harmless to draw.
         x = x.masked_fill(~admissible.unsqueeze(1), 0.0)
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled_rows:
-            token_ids = x.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(len(seqs), dtype=torch.long, device=x.device)
-            greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-            if greedy_rows:
-                token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
-            token_ids[sampled_rows] = self._sample(_take(x, sampled_rows), [seqs[i] for i in sampled_rows])
+        token_ids = torch.empty(len(seqs), dtype=torch.long, device=x.device)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
+        token_ids[sampled_rows] = self._sample(_take(x, sampled_rows), [seqs[i] for i in sampled_rows])
         return token_ids, admissible
 
     def process_logits(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:

@@ -160,8 +160,9 @@ def test_a_fault_of_the_whole_batch_runs_it_in_halves(tiny_dir):
         return execute(seqs, input_ids)
     runner.execute = too_big
     out = llm.generate(prompts(), GREEDY)
-    assert [r.token_ids for r in out] == [r.token_ids for r in clean]
-    assert all(r.finish_reason == "length" for r in out)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == GREEDY.max_tokens for r in out)
+    if llm.engine.dtype == torch.float32:   # halves of a batch give the same rows only in float32
+        assert [r.token_ids for r in out] == [r.token_ids for r in clean]
     assert 8 in sizes and llm.engine.stats().internal_errors == {}
     assert_all_blocks_free(llm)
 
@@ -184,3 +185,16 @@ def test_out_of_memory_with_one_row_stops_the_engine(tiny_dir):
     with pytest.raises(EngineUnrecoverable) as err:
         llm.generate(prompts(2), GREEDY)
     assert err.value.reason == "out_of_memory"
+
+
+def test_every_request_failing_stops_the_engine(tiny_dir):
+    llm = make_llm(tiny_dir)
+    sampler = llm.engine.sampler
+
+    def broken(logits, seqs):
+        raise IndexError("injected: the draw is broken for everyone")
+    sampler.process_logits = broken
+    with pytest.raises(EngineUnrecoverable) as err:
+        llm.generate(prompts(40), GREEDY)
+    assert err.value.reason == "every_request_failing"
+    assert llm.engine.stats().internal_errors == {"sampling": 32}
