@@ -138,7 +138,13 @@ def render_cline(s: ClientSettings) -> str:
                                     "supportsImages": False, "supportsPromptCache": False,
                                     "inputPrice": 0, "outputPrice": 0}}
     return textwrap.dedent(f"""\
-        # Cline: Settings -> API Provider "OpenAI Compatible"
+        # Cline CLI (npm install -g cline): configure once, then give it a task
+        cline auth -p openai-compatible -b {s.base_url} -k {s.api_key} -m {s.model}
+        cline "your task"
+        # The CLI sizes the context at 128K tokens whatever the server says; this server's window is
+        # {s.context_window} tokens, and a longer prompt gets the context_length_exceeded error Cline recognises.
+
+        # Cline in VS Code: Settings -> API Provider "OpenAI Compatible"
         Base URL:            {s.base_url}
         API Key:             {s.api_key}
         Model ID:            {s.model}

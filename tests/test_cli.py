@@ -80,6 +80,8 @@ def test_client_config_snippets(capsys, model_dir, client):
     assert "https://llm.example.com/v1" in out and "tiny-cli" in out and "secret" not in out
     if client in ("cline", "cc-switch"):
         assert "1024" in out
+    if client == "cline":   # the CLI's own setup command, with the same URL and model
+        assert "cline auth -p openai-compatible -b https://llm.example.com/v1 -k " in out and "-m tiny-cli" in out
 
 
 def test_client_config_agrees_with_the_engine(model_dir):
