@@ -50,11 +50,13 @@ class _Choice:
 class ChatRun:
     """One chat request from validated body to response."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, route: str = "chat",
+                 request_id: str | None = None) -> None:
         self.state = state
         self.req = req
+        self.route = route  # in metrics and the log line: other protocols run chat requests too
         self.engine: Any = None
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.plan: ToolPlan | None = None
         self.texts: TokenTexts | None = None
@@ -83,7 +85,7 @@ class ChatRun:
         processors = await constraint_processors(engine, req.response_format, self.plan)
         if processors:
             params.logits_processors = processors
-        return Generation(engine, self.state.metrics, "chat", self.id, [prompt], params,
+        return Generation(engine, self.state.metrics, self.route, self.id, [prompt], params,
                           on_engine_dead=self.state.mark_engine_dead)
 
     def decoder(self, gen: Generation) -> ChatDecoder:
