@@ -73,8 +73,17 @@ def _hub_cache_context(repo_id: str) -> int | None:
 
 
 def model_context_len(config: FdserveConfig) -> int:
+    """What the engine will enforce: max_context_len, else what rope_scaling reaches, else the model's own."""
     if config.model.max_context_len:
         return config.model.max_context_len
+    own = _own_context_len(config)
+    scaling = config.model.rope_scaling
+    if scaling is not None:
+        return int(scaling.factor * (scaling.original_max_position_embeddings or own))
+    return own
+
+
+def _own_context_len(config: FdserveConfig) -> int:
     name = config.model.name
     if not name or name in EMBEDDED_DEFAULT_ALIASES:
         return EMBEDDED_DEFAULT_CONTEXT
