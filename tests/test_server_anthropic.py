@@ -219,6 +219,49 @@ def test_context_overflow_wording(client):
             stream.get_final_message()
 
 
+def test_failure_mid_stream_is_an_error_event(engine):  # noqa: F811
+    """Once the stream is open, a failure is an `error` event (the SDK raises on it) and the stream ends."""
+    from engine import AsyncEngine
+
+    broken = AsyncEngine(tiny_config(engine.config.model.name))
+    broken.start()
+    real_step, calls = broken.engine.step, {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    broken.engine.step = failing_step
+    try:
+        with LiveServer(build_app(broken.config, broken)) as live:
+            body = {"model": MODEL, "max_tokens": 200, "messages": HELLO, "stream": True,
+                    "stop_sequences": ["\x00never"]}
+            with httpx.stream("POST", live.base_url + "/messages", json=body, timeout=60) as response:
+                lines = [line for line in response.iter_lines() if line]
+            assert response.status_code == 200 and lines[0] == "event: message_start"
+            assert lines[-2] == "event: error" and "message_stop" not in "".join(lines)
+            error = json.loads(lines[-1].removeprefix("data: "))
+            assert error["type"] == "error" and error["error"]["type"] == "api_error"
+            assert "simulated kernel failure" in error["error"]["message"]
+    finally:
+        broken.shutdown()
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
+                                          (403, "permission_error"), (404, "not_found_error"),
+                                          (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"),
+                                          (503, "overloaded_error"), (504, "api_error"), (422, "invalid_request_error")])
+def test_error_types_follow_the_status(status, kind):
+    from server.anthropic.errors import error_response
+    from server.errors import APIError
+
+    response = error_response(APIError(status, "why", headers={"Retry-After": "1"}))
+    assert response.status_code == status and response.headers["retry-after"] == "1"
+    assert json.loads(response.body) == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
 @pytest.mark.parametrize("body, words", [
     ({"model": MODEL, "messages": HELLO}, "max_tokens"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
