@@ -10,7 +10,7 @@ parser. Usage comes from the Generation (`TurnUsage.of`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from engine.outputs import CompletionDelta
 from engine.sequence import TokenLogprob
@@ -109,7 +109,7 @@ class ChatDecoder:
     def finish_reason_of(self, index: int) -> str | None:
         return self._choices[index].finish_reason
 
-    async def deltas(self, gen: Generation) -> AsyncIterator[ChoiceDelta]:
+    async def deltas(self, gen: Generation) -> AsyncGenerator[ChoiceDelta, None]:
         async for _, out in gen.outputs():
             for delta in out.deltas:
                 failure = choice_error(delta, out.error) if delta.finish_reason else None

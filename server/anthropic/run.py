@@ -5,7 +5,7 @@ Usage follows Anthropic's accounting: prompt tokens served from the prefix cache
 on request, so `cache_creation_input_tokens` is 0. A stream's message_start carries the usage
 known when it opens; message_delta carries the final totals (the SDK takes them from there).
 
-Stream: message_start, ping, then per block content_block_start / content_block_delta* /
+Stream: message_start, ping (and one every few seconds while nothing else is sent), then per block content_block_start / content_block_delta* /
 content_block_stop, message_delta (stop_reason, stop_sequence, usage), message_stop. A failure
 once the stream is open is an `error` event, and the stream ends.
 """
@@ -23,6 +23,7 @@ from server.chat import ChatRun
 from server.chat_stream import ChatDecoder, TurnUsage
 from server.errors import APIError
 from server.generation import Generation
+from server.keepalive import with_keepalive
 from server.respond import CLIENT_CLOSED
 from server.state import ServerState
 
@@ -79,7 +80,10 @@ class MessagesRun:
             yield sse_event("message_start", {"type": "message_start",
                                               "message": self._message([], None, None, TurnUsage.of(gen))})
             yield sse_event("ping", {"type": "ping"})
-            async for delta in decoder.deltas(gen):
+            async for delta in with_keepalive(decoder.deltas(gen)):
+                if delta is None:  # still prefilling: keep the stream alive
+                    yield sse_event("ping", {"type": "ping"})
+                    continue
                 for name, payload in blocks.feed(delta):
                     yield sse_event(name, payload)
                 if delta.finish_reason:
