@@ -165,7 +165,7 @@ def anthropic_base_url(base_url: str) -> str:
     return trimmed.removesuffix("/v1") if trimmed.endswith("/v1") else trimmed
 
 
-CLAUDE_CODE_CONTEXT = 16384  # its system prompt and tool definitions alone are ~10K tokens
+CLAUDE_CODE_CONTEXT = 32768  # its first request (system prompt, tool definitions) is ~20K tokens
 
 
 def claude_code_env(s: ClientSettings) -> dict[str, str]:
@@ -180,7 +180,7 @@ def _context_warning(s: ClientSettings) -> str:
     if s.context_window >= CLAUDE_CODE_CONTEXT:
         return ""
     return (f"# Warning: the context window is {s.context_window} tokens; Claude Code's first request alone is\n"
-            f"# ~10K. Serve more: --max-context-len 32768 (past the model's own length, with\n"
+            f"# ~20K. Serve more: --max-context-len 32768 (past the model's own length, with\n"
             f"# --set 'model.rope_scaling={{type=\"yarn\",factor=4.0}}'); see config.toml.\n")
 
 
@@ -194,6 +194,9 @@ def render_claude_code(s: ClientSettings) -> str:
         """) + exports + textwrap.dedent("""\
         # (CLAUDE_CODE_ATTRIBUTION_HEADER can stay at its default: the server keeps the per-request
         # attribution block out of the prompt, so turns are served from the prefix cache.)
+        # On a CPU server the first prompt (~20K tokens with all tools) takes minutes to prefill;
+        # Claude Code drops a stream with no output for 5 minutes unless told to wait longer:
+        # export CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000 API_TIMEOUT_MS=1800000
         claude                 # or one prompt: claude -p "say hi"
         """) + _context_warning(s) + "# the same, for ~/.claude/settings.json:\n" + json.dumps(settings, indent=2) + "\n")
 
