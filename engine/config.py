@@ -7,6 +7,7 @@ is a startup error naming it. Every error names the key path and how to fix it.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import os
 import re
 import sys
@@ -38,6 +39,18 @@ class ServerConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class RopeScaling(_Section):
+    """Rotary-embedding scaling, with the keys transformers uses for rope_scaling / rope_parameters."""
+
+    type: Literal["linear", "dynamic", "yarn"]
+    factor: float = Field(gt=1.0, description="how many times the original context the positions stretch to")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=16, description="the context the checkpoint was trained for; default: its max_position_embeddings")
+    beta_fast: float = Field(32.0, gt=0, description="yarn only")
+    beta_slow: float = Field(1.0, gt=0, description="yarn only")
+    attention_factor: float | None = Field(None, gt=0, description="yarn only; default 0.1 ln(factor) + 1")
+
+
 class ModelConfig(_Section):
     name: str | None = Field(None, description="local HF folder, .gguf file, or None for the embedded default")
     served_model_name: str | None = None
@@ -45,6 +58,21 @@ class ModelConfig(_Section):
     max_context_len: int | None = Field(None, ge=16, description="default: the model's own")
     max_new_tokens: int = Field(4096, ge=1, description="cap and default for max_tokens")
     seed: int = Field(0, description="seeds the sampler's shared RNG at startup (requests without a seed)")
+    aliases: list[str] = Field(default_factory=list, description="more model ids (or globs such as "
+                               "\"claude-*\") that requests may send for the served model")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling applied over the checkpoint's "
+                                             "own; lets max_context_len go up to factor x the original length")
+
+    @field_validator("aliases")
+    @classmethod
+    def _alias_patterns(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not alias.strip() or alias != alias.strip():
+                raise ValueError(f"model ids must be non-empty and without surrounding spaces, got {alias!r}")
+        return value
+
+    def matches_alias(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, alias) for alias in self.aliases)
 
 
 class FlashDecodingConfig(_Section):

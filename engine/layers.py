@@ -14,13 +14,13 @@ startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.rope import cos_sin_tables
 from kernels import fused
 
 WeightLoader = Callable[..., None]
@@ -167,45 +167,12 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def get_rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a config of transformers 4 or 5.
-
-    transformers 5 keeps both in `rope_parameters` ({"rope_type", "rope_theta", ...});
-    transformers 4 has `rope_theta` and an optional `rope_scaling` (key "rope_type" or "type").
-    """
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling: dict[str, Any] | None = dict(params)
-    else:
-        theta = float(getattr(hf_config, "rope_theta", 10000.0))
-        legacy = getattr(hf_config, "rope_scaling", None)
-        scaling = dict(legacy) if legacy else None
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-    return theta, scaling
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency rescaling: long wavelengths slowed by `factor`, short ones kept,
-    a smooth ramp in between (bounds set by low/high_freq_factor of the original context)."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelen < old_len / high, inv_freq,
-                       torch.where(wavelen > old_len / low, inv_freq / factor, ramp))
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, GPT-NeoX layout (rotate halves), as in HF Llama/Qwen.
 
     The first `rotary_dim` features of each head rotate; cos/sin are precomputed in float32
     for positions [0, max_position) and the rotation runs in float32.
-    Supported `scaling["rope_type"]`: "linear", "llama3" (None = plain RoPE).
+    Scalings (`scaling["rope_type"]`, None = plain RoPE): those of engine/rope.py.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -213,17 +180,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        rope_type = scaling["rope_type"] if scaling else "default"
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
-        elif rope_type == "linear":
-            inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[index]
-        elif rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = cos_sin_tables(base, rotary_dim, max_position, scaling)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x[T, H*D] -> same shape, first rotary_dim features of each head rotated."""

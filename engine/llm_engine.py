@@ -82,7 +82,7 @@ class LLMEngine:
         self.max_new_tokens = config.model.max_new_tokens
         self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
         self.backend = self._make_backend()
-        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling, self.max_context_len)
         # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
         configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
         block_size = config.backend.block_size
@@ -123,14 +123,29 @@ class LLMEngine:
 
     # ----- construction helpers -------------------------------------------------------------
     def _resolve_context_len(self, hf_config) -> int:
+        """The model's own length; with [model] rope_scaling, up to factor x the original length
+        (the default then), past what the checkpoint was trained for, with a warning."""
         own = _model_context_len(hf_config)
         wanted = self.config.model.max_context_len
-        if wanted is None:
-            return own
-        if wanted > own:  # RoPE (incl. llama3/yarn-style scaling) is only defined up to max_position_embeddings
-            raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports "
-                              f"({own}, its max_position_embeddings); set max_context_len <= {own} or remove it")
-        return wanted
+        scaling = self.config.model.rope_scaling
+        if scaling is None:
+            if wanted is not None and wanted > own:  # RoPE as trained is only defined up to max_position_embeddings
+                raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports "
+                                  f"({own}, its max_position_embeddings); set max_context_len <= {own}, remove it, "
+                                  f"or set model.rope_scaling to stretch the positions")
+            return wanted or own
+        original = scaling.original_max_position_embeddings or own
+        limit = int(scaling.factor * original)
+        if wanted is not None and wanted > limit:
+            raise ConfigError(f"model.max_context_len: {wanted} is above what model.rope_scaling reaches "
+                              f"({scaling.factor:g} x {original} = {limit}); raise rope_scaling.factor or lower "
+                              f"max_context_len")
+        length = wanted or limit
+        if length > own:
+            logger.warning("model.rope_scaling (%s, factor %g over %d positions): context %d is beyond the %d tokens "
+                           "this checkpoint was trained for; output quality may drop", scaling.type, scaling.factor,
+                           original, length, own)
+        return length
 
     def _make_backend(self) -> AttentionBackend:
         from engine.attention_backends import make_attention_backend

@@ -20,6 +20,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from engine.config import RopeScaling
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_DEFAULT_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -304,16 +306,21 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, tensor
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Build our model class for `model_dir/config.json` on `device` and load its weights."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+               rope_scaling: RopeScaling | None = None, max_position: int = 0) -> nn.Module:
+    """Build our model class for `model_dir/config.json` on `device` and load its weights;
+    `rope_scaling` ([model] rope_scaling) replaces the checkpoint's, with tables for `max_position`."""
     from transformers import AutoConfig
 
     from engine.models import get_model_class
+    from engine.rope import apply_rope_scaling
     from engine.synthetic import build_synthetic_model, synthetic_marker
 
-    if synthetic_marker(model_dir) is not None:
-        return build_synthetic_model(model_dir, dtype, device)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
+    if rope_scaling is not None:
+        apply_rope_scaling(hf_config, rope_scaling, max_position)
+    if synthetic_marker(model_dir) is not None:
+        return build_synthetic_model(model_dir, dtype, device, hf_config)
     model_cls = get_model_class(hf_config)
     start = time.perf_counter()
     with torch.device(device):

@@ -152,16 +152,14 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, INIT_STD, generator=generator)
 
 
-def build_synthetic_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Our model class for `model_dir`'s config, randomly initialised with the marker's seed."""
-    from transformers import AutoConfig
-
+def build_synthetic_model(model_dir: Path, dtype: torch.dtype, device: torch.device, hf_config: Any) -> nn.Module:
+    """Our model class for `model_dir`'s config (`hf_config`, read from it), randomly initialised
+    with the marker's seed."""
     from engine.models import get_model_class
 
     marker = synthetic_marker(model_dir)
     if marker is None:
         raise ValueError(f"{model_dir} is not a synthetic model folder (no {MARKER_FILE})")
-    hf_config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device(device):
         model = get_model_class(hf_config)(hf_config, dtype)
     init_random_weights(model, int(marker["seed"]))

@@ -1,4 +1,5 @@
-"""The FastAPI app: routes at / and /v1, errors in OpenAI's shape, keys, body limit, lifecycle."""
+"""The FastAPI app: routes at / and /v1 (OpenAI's and Anthropic's), their error shapes, keys, body limit,
+lifecycle."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -8,6 +9,7 @@ from fastapi import FastAPI
 
 from engine.config import FdserveConfig
 from server import __version__
+from server.anthropic.routes import router as messages_router
 from server.auth import APIKeyMiddleware
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
@@ -45,6 +47,8 @@ def build_app(config: FdserveConfig, engine: Any | None = None,
     install_openapi(app)
     app.include_router(router, include_in_schema=False)   # the same routes; the document lists /v1
     app.include_router(router, prefix="/v1")
+    app.include_router(messages_router, include_in_schema=False)
+    app.include_router(messages_router, prefix="/v1")
     # Starlette runs the last-added middleware first: keys are checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=config.api.api_keys)

@@ -1,4 +1,5 @@
-"""API keys ([api] api_key): `Authorization: Bearer <key>` (or `x-api-key`) on every API route.
+"""API keys ([api] api_key): `Authorization: Bearer <key>` (or `x-api-key`) on every API route;
+the 401 is in Anthropic's shape on the Messages routes, in OpenAI's elsewhere.
 
 Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every configured key
 without stopping at a match, so the time taken says nothing about a key. Keys are never logged.
@@ -11,9 +12,12 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.anthropic.errors import anthropic_error_json
+from server.anthropic.paths import is_messages_path
 from server.errors import error_body
 
-OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics", "/v1/metrics", "/version", "/v1/version",
+# "/" answers reachability probes (GET or HEAD) with the server's name and version.
+OPEN_PATHS = frozenset({"/", "/health", "/v1/health", "/metrics", "/v1/metrics", "/version", "/v1/version",
                         "/openapi.json", "/docs"})
 
 
@@ -62,7 +66,10 @@ class APIKeyMiddleware:
             return
         message = ("missing API key: send it as 'Authorization: Bearer <key>'" if key is None
                    else "invalid API key")
-        body = json.dumps(error_body(message, "authentication_error", None, "invalid_api_key")).encode()
+        if is_messages_path(scope["path"]):
+            body = anthropic_error_json(401, message)
+        else:
+            body = json.dumps(error_body(message, "authentication_error", None, "invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})

@@ -14,18 +14,17 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.outputs import CompletionDelta
+from server.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
 from server.constraints import constraint_processors
 from server.errors import APIError, bad_request
 from server.generation import Generation
 from server.logprobs import TokenTexts, chat_logprobs
 from server.prompts import encode_prompt, render_chat
 from server.protocol import ChatCompletionRequest
-from server.respond import CLIENT_CLOSED, choice_error, respond, usage
+from server.respond import CLIENT_CLOSED, respond, usage
 from server.sampling import build_params, max_tokens_for
 from server.state import ServerState
 from server.streaming import DONE, sse, sse_error
-from server.tool_parser import ToolCallParser
 from server.tools import ToolPlan, plan_tools, template_info
 
 
@@ -37,47 +36,33 @@ def _top_logprobs(req: ChatCompletionRequest) -> int | None:
     return None
 
 
-def finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
-    if engine_reason == "stop" and has_tool_calls:
-        return "tool_calls"
-    return engine_reason
-
-
 @dataclass
 class _Choice:
+    """A choice's answer as it is collected (non-streaming)."""
+
     index: int
-    parser: ToolCallParser | None
     content: list[str] = field(default_factory=list)
+    calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
-
-    def feed(self, delta: CompletionDelta) -> tuple[str, list[dict[str, Any]]]:
-        if self.parser is None:
-            return delta.text, []
-        text, calls = self.parser.feed(delta.text)
-        if delta.finish_reason:
-            more_text, more_calls = self.parser.finish()
-            text, calls = text + more_text, calls + more_calls
-        return text, calls
-
-    @property
-    def has_tool_calls(self) -> bool:
-        return self.parser is not None and self.parser.has_calls
 
 
 class ChatRun:
     """One chat request from validated body to response."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest) -> None:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, route: str = "chat",
+                 request_id: str | None = None) -> None:
         self.state = state
         self.req = req
+        self.route = route  # in metrics and the log line: other protocols run chat requests too
         self.engine: Any = None
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.plan: ToolPlan | None = None
         self.texts: TokenTexts | None = None
 
-    async def prepare(self) -> Generation:
+    def render(self) -> list[int]:
+        """Check the request against the engine and return its prompt's token ids."""
         req = self.req
         engine = self.engine = self.state.ready_engine()
         self.texts = self.state.token_texts
@@ -85,8 +70,13 @@ class ChatRun:
         self.plan = plan_tools(req, template_info(engine.tokenizer))
         if self.plan.forced and req.response_format is not None and req.response_format.type != "text":
             raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
-        prompt = encode_prompt(engine, render_chat(engine, req.messages, self.plan,
-                                                   template_kwargs=req.chat_template_kwargs))
+        return encode_prompt(engine, render_chat(engine, req.messages, self.plan,
+                                                 template_kwargs=req.chat_template_kwargs))
+
+    async def prepare(self) -> Generation:
+        req = self.req
+        prompt = self.render()
+        engine = self.engine
         wanted, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
                          else (req.max_tokens, "max_tokens"))
         max_tokens = max_tokens_for(wanted, param, len(prompt), engine.max_context_len, engine.max_new_tokens, None)
@@ -95,27 +85,22 @@ class ChatRun:
         processors = await constraint_processors(engine, req.response_format, self.plan)
         if processors:
             params.logits_processors = processors
-        return Generation(engine, self.state.metrics, "chat", self.id, [prompt], params)
+        return Generation(engine, self.state.metrics, self.route, self.id, [prompt], params)
 
-    def _choices(self, n: int) -> list[_Choice]:
-        parse = self.plan is not None and self.plan.parse_calls
-        return [_Choice(i, ToolCallParser(self.plan.style) if parse else None) for i in range(n)]
+    def decoder(self, gen: Generation) -> ChatDecoder:
+        return ChatDecoder(self.plan, gen.params.n)
 
     # ----- non-streaming ---------------------------------------------------------------------
     async def collect(self, gen: Generation) -> dict[str, Any]:
-        choices = self._choices(gen.params.n)
-        async for _, out in gen.outputs():
-            for delta in out.deltas:
-                choice = choices[delta.index]
-                text, _ = choice.feed(delta)
-                choice.content.append(text)
-                if self.req.logprobs:
-                    choice.logprobs.extend(chat_logprobs(delta.logprobs, self.texts))
-                if delta.finish_reason:
-                    failure = choice_error(delta, out.error)
-                    if failure is not None:
-                        raise failure
-                    choice.finish_reason = finish_reason(delta.finish_reason, choice.has_tool_calls)
+        decoder = self.decoder(gen)
+        choices = [_Choice(i) for i in range(gen.params.n)]
+        async for delta in decoder.deltas(gen):
+            choice = choices[delta.index]
+            choice.content.append(delta.text)
+            choice.calls.extend(delta.tool_calls)
+            if self.req.logprobs:
+                choice.logprobs.extend(chat_logprobs(list(delta.logprobs), self.texts))
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.engine.served_model_name,
                 "choices": [self._message_choice(c) for c in choices], "usage": usage(gen)}
@@ -123,8 +108,9 @@ class ChatRun:
     def _message_choice(self, choice: _Choice) -> dict[str, Any]:
         content = "".join(choice.content)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if choice.has_tool_calls:
-            message["tool_calls"] = [c.as_message_call() for c in choice.parser.calls]
+        calls = assembled_calls(choice.calls)
+        if calls:
+            message["tool_calls"] = calls
             message["content"] = content or None
         logprobs = {"content": choice.logprobs} if self.req.logprobs else None
         return {"index": choice.index, "message": message, "logprobs": logprobs,
@@ -135,39 +121,33 @@ class ChatRun:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.engine.served_model_name, "choices": choices, **extra}
 
-    def _delta_chunks(self, choice: _Choice, delta: CompletionDelta) -> list[dict[str, Any]]:
-        text, calls = choice.feed(delta)
-        logprobs = chat_logprobs(delta.logprobs, self.texts) if self.req.logprobs and delta.logprobs else None
+    def _delta_chunks(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        logprobs = chat_logprobs(list(delta.logprobs), self.texts) if self.req.logprobs and delta.logprobs else None
         chunks = []
-        if text or calls or logprobs:
+        if delta.text or delta.tool_calls or logprobs:
             body: dict[str, Any] = {}
-            if text:
-                body["content"] = text
-            if calls:
-                body["tool_calls"] = calls
-            chunks.append(self._chunk([{"index": choice.index, "delta": body,
+            if delta.text:
+                body["content"] = delta.text
+            if delta.tool_calls:
+                body["tool_calls"] = [openai_call_delta(c) for c in delta.tool_calls]
+            chunks.append(self._chunk([{"index": delta.index, "delta": body,
                                         "logprobs": {"content": logprobs} if logprobs else None,
                                         "finish_reason": None}]))
         if delta.finish_reason:
-            choice.finish_reason = finish_reason(delta.finish_reason, choice.has_tool_calls)
-            chunks.append(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": choice.finish_reason}]))
+            chunks.append(self._chunk([{"index": delta.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": delta.finish_reason}]))
         return chunks
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
-        choices = self._choices(gen.params.n)
+        decoder = self.decoder(gen)
         status, error = CLIENT_CLOSED, None
         try:
-            for choice in choices:
-                yield sse(self._chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+            for index in range(gen.params.n):
+                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-            async for _, out in gen.outputs():
-                for delta in out.deltas:
-                    failure = choice_error(delta, out.error) if delta.finish_reason else None
-                    if failure is not None:
-                        raise failure
-                    for chunk in self._delta_chunks(choices[delta.index], delta):
-                        yield sse(chunk)
+            async for delta in decoder.deltas(gen):
+                for chunk in self._delta_chunks(delta):
+                    yield sse(chunk)
             if self.req.include_usage:
                 yield sse(self._chunk([], usage=usage(gen)))
             status = 200
@@ -177,7 +157,27 @@ class ChatRun:
             yield sse_error(exc)
             yield DONE
         finally:
-            gen.log(status, [c.finish_reason for c in choices if c.finish_reason], error)
+            gen.log(status, decoder.finish_reasons, error)
+
+
+def openai_call_delta(piece: ToolCallDelta) -> dict[str, Any]:
+    if piece.opens_call:
+        return {"index": piece.call_index, "id": piece.id, "type": "function",
+                "function": {"name": piece.name, "arguments": piece.arguments}}
+    return {"index": piece.call_index, "function": {"arguments": piece.arguments}}
+
+
+def assembled_calls(pieces: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """A message's tool_calls from the pieces streamed for it (arguments concatenated)."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in pieces:
+        if piece.opens_call:
+            calls[piece.call_index] = {"id": piece.id, "type": "function",
+                                       "function": {"name": piece.name or "", "arguments": ""}}
+        calls[piece.call_index]["function"]["arguments"] += piece.arguments
+    for call in calls.values():
+        call["function"]["arguments"] = call["function"]["arguments"] or "{}"
+    return [calls[i] for i in sorted(calls)]
 
 
 async def create_chat_completion(request: Request, state: ServerState, req: ChatCompletionRequest) -> Response:

@@ -1,4 +1,4 @@
-"""Client settings (curl, openai SDK, Cline, CC Switch) made from the server's own config.
+"""Client settings (curl, openai SDK, Cline, CC Switch, Claude Code) made from the server's own config.
 
 The context window printed is the one the server enforces, so client and server never
 disagree about it. Nothing here loads the model (or imports torch): the context length
@@ -73,8 +73,17 @@ def _hub_cache_context(repo_id: str) -> int | None:
 
 
 def model_context_len(config: FdserveConfig) -> int:
+    """What the engine will enforce: max_context_len, else what rope_scaling reaches, else the model's own."""
     if config.model.max_context_len:
         return config.model.max_context_len
+    own = _own_context_len(config)
+    scaling = config.model.rope_scaling
+    if scaling is not None:
+        return int(scaling.factor * (scaling.original_max_position_embeddings or own))
+    return own
+
+
+def _own_context_len(config: FdserveConfig) -> int:
     name = config.model.name
     if not name or name in EMBEDDED_DEFAULT_ALIASES:
         return EMBEDDED_DEFAULT_CONTEXT
@@ -156,6 +165,48 @@ def render_cline(s: ClientSettings) -> str:
         """) + json.dumps(settings, indent=2) + "\n"
 
 
+def anthropic_base_url(base_url: str) -> str:
+    """Claude Code appends /v1/messages itself: the server root, without /v1."""
+    trimmed = base_url.rstrip("/")
+    return trimmed.removesuffix("/v1") if trimmed.endswith("/v1") else trimmed
+
+
+CLAUDE_CODE_CONTEXT = 32768  # its first request (system prompt, tool definitions) is ~20K tokens
+
+
+def claude_code_env(s: ClientSettings) -> dict[str, str]:
+    return {"ANTHROPIC_BASE_URL": anthropic_base_url(s.base_url), "ANTHROPIC_AUTH_TOKEN": s.api_key,
+            "ANTHROPIC_MODEL": s.model, "ANTHROPIC_SMALL_FAST_MODEL": s.model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": s.model, "ANTHROPIC_DEFAULT_SONNET_MODEL": s.model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": s.model, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
+def _context_warning(s: ClientSettings) -> str:
+    if s.context_window >= CLAUDE_CODE_CONTEXT:
+        return ""
+    return (f"# Warning: the context window is {s.context_window} tokens; Claude Code's first request alone is\n"
+            f"# ~20K. Serve more: --max-context-len 32768 (past the model's own length, with\n"
+            f"# --set 'model.rope_scaling={{type=\"yarn\",factor=4.0}}'); see config.toml.\n")
+
+
+def render_claude_code(s: ClientSettings) -> str:
+    env = claude_code_env(s)
+    exports = "".join(f"export {name}={value}\n" for name, value in env.items())
+    settings = {"env": env}
+    return (textwrap.dedent(f"""\
+        # Claude Code (`npm install -g @anthropic-ai/claude-code`) speaks Anthropic's Messages API,
+        # which this server answers at {env["ANTHROPIC_BASE_URL"]}/v1/messages. In the shell:
+        """) + exports + textwrap.dedent("""\
+        # (CLAUDE_CODE_ATTRIBUTION_HEADER can stay at its default: the server keeps the per-request
+        # attribution block out of the prompt, so turns are served from the prefix cache.)
+        # On a CPU server the first prompt (~20K tokens with all tools) takes minutes to prefill;
+        # Claude Code drops a stream with no output for 5 minutes unless told to wait longer:
+        # export CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000 API_TIMEOUT_MS=1800000
+        claude                 # or one prompt: claude -p "say hi"
+        """) + _context_warning(s) + "# the same, for ~/.claude/settings.json:\n" + json.dumps(settings, indent=2) + "\n")
+
+
 def render_cc_switch(s: ClientSettings) -> str:
     provider = {"name": "fdserve", "apiFormat": "OpenAI Chat Completions", "baseUrl": s.base_url,
                 "apiKey": s.api_key, "model": s.model, "haikuModel": s.model, "sonnetModel": s.model,
@@ -169,7 +220,22 @@ def render_cc_switch(s: ClientSettings) -> str:
         Model:           {s.model}  (also for the Haiku / Sonnet / Opus slots)
         Context window:  {s.context_window} tokens, max output {s.max_tokens}
         # then switch to it with the proxy enabled. The same values, for scripting:
-        """) + json.dumps(provider, indent=2) + "\n"
+        """) + json.dumps(provider, indent=2) + "\n" + _cc_switch_direct(s)
 
 
-RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch}
+def _cc_switch_direct(s: ClientSettings) -> str:
+    """Direct mode (CC Switch's default): it writes the provider into Claude Code's settings, and
+    Claude Code then calls this server's Messages API itself."""
+    env = claude_code_env(s)
+    provider = {"name": "fdserve (direct)", "settingsConfig": {"env": env}}
+    return textwrap.dedent(f"""\
+        # Or without the proxy (direct mode): a Claude provider (custom) whose Claude Code settings are
+        Base URL:        {env["ANTHROPIC_BASE_URL"]}   (no /v1: Claude Code appends /v1/messages)
+        API Key:         {s.api_key}
+        Model:           {s.model}  (also for the Haiku / Sonnet / Opus slots)
+        # as CC Switch stores it:
+        """) + json.dumps(provider, indent=2) + "\n" + _context_warning(s)
+
+
+RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch,
+             "claude-code": render_claude_code}

@@ -61,10 +61,19 @@ def unavailable(message: str, code: str) -> APIError:
                     {"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
+class ContextLengthError(APIError):
+    """A prompt that does not fit the context; keeps the numbers for protocols that word it their way."""
+
+    def __init__(self, max_context_len: int, num_prompt_tokens: int) -> None:
+        # Cline recognises code context_length_exceeded and "maximum context length" and then trims.
+        super().__init__(400, str(ContextLengthExceeded(max_context_len, num_prompt_tokens)), "invalid_request_error",
+                         "messages", "context_length_exceeded")
+        self.max_context_len = max_context_len
+        self.num_prompt_tokens = num_prompt_tokens
+
+
 def context_length_error(max_context_len: int, num_prompt_tokens: int) -> APIError:
-    # Cline recognises code context_length_exceeded and "maximum context length" and then trims.
-    return bad_request(str(ContextLengthExceeded(max_context_len, num_prompt_tokens)), "messages",
-                       "context_length_exceeded")
+    return ContextLengthError(max_context_len, num_prompt_tokens)
 
 
 def from_engine_error(exc: BaseException, prompt_param: str = "messages") -> APIError:

@@ -5,12 +5,15 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.anthropic.errors import anthropic_error_json
+from server.anthropic.paths import is_messages_path
 from server.errors import error_body
 
 
-async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)",
-                                 "invalid_request_error", None, "request_too_large")).encode()
+async def _too_large(send: Send, limit: int, path: str) -> None:
+    message = f"request body exceeds the limit of {limit} bytes (server.max_body_bytes)"
+    body = (anthropic_error_json(413, message) if is_messages_path(path)
+            else json.dumps(error_body(message, "invalid_request_error", None, "request_too_large")).encode())
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
@@ -33,7 +36,7 @@ class BodyLimitMiddleware:
             except ValueError:
                 size = self.max_bytes + 1
             if size > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+                await _too_large(send, self.max_bytes, scope["path"])
                 return
             await self.app(scope, receive, send)  # the server enforces the declared length
             return
@@ -47,7 +50,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+                await _too_large(send, self.max_bytes, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -1,7 +1,7 @@
 """What chat and legacy completions share: running a prepared request and answering it."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -57,8 +57,14 @@ async def _unless_disconnected(request: Request, gen: Generation, work: Awaitabl
         raise
 
 
-async def respond(request: Request, state: ServerState, run: Run, route: str, stream: bool) -> Response:
-    """Validate and start (errors are HTTP errors), then stream or collect the answer."""
+def choice_finish_reasons(body: dict[str, Any]) -> list[str]:
+    return [c["finish_reason"] for c in body["choices"]]
+
+
+async def respond(request: Request, state: ServerState, run: Run, route: str, stream: bool,
+                  finish_reasons: Callable[[dict[str, Any]], list[str]] = choice_finish_reasons) -> Response:
+    """Validate and start (errors are HTTP errors), then stream or collect the answer; `finish_reasons`
+    reads the logged finish reasons off a collected body."""
     try:
         gen = await run.prepare()
     except APIError as exc:
@@ -75,5 +81,5 @@ async def respond(request: Request, state: ServerState, run: Run, route: str, st
         await gen.aclose()
     if closed is not None:
         return closed
-    gen.log(200, [c["finish_reason"] for c in body["choices"]])
+    gen.log(200, finish_reasons(body))
     return JSONResponse(body)

@@ -28,7 +28,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.fdserve
 
 
-async def _parse(request: Request, model: type[Body], route: str) -> Body:
+async def parse_body(request: Request, model: type[Body], route: str) -> Body:
     """JSON body → model; anything wrong is a 400 naming the field (never FastAPI's 422)."""
     try:
         raw = await request.body()
@@ -49,13 +49,13 @@ async def _parse(request: Request, model: type[Body], route: str) -> Body:
 
 @router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
-    req = await _parse(request, ChatCompletionRequest, "chat")
+    req = await parse_body(request, ChatCompletionRequest, "chat")
     return await create_chat_completion(request, _state(request), req)
 
 
 @router.post("/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
-    req = await _parse(request, CompletionRequest, "completions")
+    req = await parse_body(request, CompletionRequest, "completions")
     return await create_completion(request, _state(request), req)
 
 
@@ -98,6 +98,12 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def root() -> dict[str, str]:
+    """Reachability probe (no key needed): the server's name and version."""
+    return {"name": "fdserve", "version": __version__}
+
+
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
@@ -105,7 +111,7 @@ async def version() -> dict[str, str]:
 
 @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
-    req = await _parse(request, TokenizeRequest, "tokenize")
+    req = await parse_body(request, TokenizeRequest, "tokenize")
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(req.model)
@@ -122,7 +128,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, Any]:
-    req = await _parse(request, DetokenizeRequest, "detokenize")
+    req = await parse_body(request, DetokenizeRequest, "detokenize")
     state = _state(request)
     engine = state.ready_engine()
     state.check_model(req.model)

@@ -126,9 +126,10 @@ class ServerState:
                        None, "engine_unavailable")
 
     def check_model(self, model: str | None) -> None:
-        """Single-model server: the served name (or no model field at all) is accepted; anything else is 404."""
+        """Single-model server: the served name, an id matching [model] aliases, or no model field at
+        all is accepted; anything else is 404."""
         engine = self.ready_engine()
-        if model is not None and model != engine.served_model_name:
+        if model is not None and model != engine.served_model_name and not self.config.model.matches_alias(model):
             raise model_not_found(model, engine.served_model_name)
 
     async def shutdown(self, drain_timeout: float) -> None:

@@ -14,3 +14,15 @@ except ImportError:  # pragma: no cover
     pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `clients` run real client CLIs for minutes: only when selected with -m clients."""
+    import pytest
+
+    if "clients" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="runs a real client CLI; opt in with -m clients")
+    for item in items:
+        if "clients" in item.keywords:
+            item.add_marker(skip)

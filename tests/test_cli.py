@@ -84,6 +84,26 @@ def test_client_config_snippets(capsys, model_dir, client):
         assert "cline auth -p openai-compatible -b https://llm.example.com/v1 -k " in out and "-m tiny-cli" in out
 
 
+def test_client_config_claude_code(capsys, model_dir):
+    """Claude Code's environment: the server root without /v1 (it appends /v1/messages), the key,
+    the served id for every model slot, and no traffic beyond this server."""
+    assert main(["client-config", "claude-code", "--model", str(model_dir), "--max-context-len", "1024",
+                 "--set", 'api.base_url="https://llm.example.com/v1"', "--api-key", "secret"]) == 0
+    out = capsys.readouterr().out
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines()
+                   if line.startswith("export "))
+    assert exports["ANTHROPIC_BASE_URL"] == "https://llm.example.com"
+    assert exports["ANTHROPIC_MODEL"] == exports["ANTHROPIC_SMALL_FAST_MODEL"] == "tiny-cli"
+    assert exports["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "tiny-cli" and "secret" not in out
+    assert {exports[k] for k in ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "DISABLE_TELEMETRY",
+                                 "DISABLE_AUTOUPDATER")} == {"1"}
+    assert "CLAUDE_CODE_ATTRIBUTION_HEADER=" not in out and "1024 tokens" in out  # too small a window is flagged
+    settings = json.loads(out[out.index("{\n"):out.rindex("}") + 1])
+    assert settings["env"] == exports
+    assert main(["client-config", "cc-switch", "--model", str(model_dir), "--port", "9001"]) == 0
+    assert '"ANTHROPIC_BASE_URL": "http://127.0.0.1:9001"' in capsys.readouterr().out
+
+
 def test_client_config_agrees_with_the_engine(model_dir):
     for overrides in ({}, {"model.max_context_len": 1000, "model.served_model_name": "alias"}):
         config = load_config(None, overrides={"model.name": str(model_dir), **overrides})

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine import layers, loader
 from engine.loader import ModelNotFoundError, load_model, resolve_model_dir
 from engine.models import get_model_class
+from engine.rope import get_rope_parameters
 from tests.model_driver import PagedModelDriver
 from tests.tiny_models import FAMILIES, make_tiny_model
 
@@ -124,14 +125,14 @@ def test_unsupported_architecture_lists_supported() -> None:
 
 def test_rope_parameters_from_legacy_and_new_configs() -> None:
     legacy = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
-    assert layers.get_rope_parameters(legacy) == (5e5, {"type": "linear", "factor": 2.0, "rope_type": "linear"})
+    assert get_rope_parameters(legacy) == (5e5, {"type": "linear", "factor": 2.0, "rope_type": "linear"})
     new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    assert layers.get_rope_parameters(new) == (1e4, None)
+    assert get_rope_parameters(new) == (1e4, None)
     plain = layers.RotaryEmbedding(8, 8, 16, 1e4)
     linear = layers.RotaryEmbedding(8, 8, 16, 1e4, {"rope_type": "linear", "factor": 2.0})
     torch.testing.assert_close(linear.cos_cache[4], plain.cos_cache[2])  # positions divided by factor
-    with pytest.raises(ValueError, match="yarn"):
-        layers.RotaryEmbedding(8, 8, 16, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="longrope"):
+        layers.RotaryEmbedding(8, 8, 16, 1e4, {"rope_type": "longrope", "factor": 2.0})
 
 
 # --- tensor parallelism: every rank's shard math, simulated in one process -------------------

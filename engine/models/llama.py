@@ -17,7 +17,8 @@ from torch import nn
 from engine.attention import Attention
 from engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                            RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding,
-                           default_weight_loader, divide, get_rope_parameters, get_tp_rank_and_size)
+                           default_weight_loader, divide, get_tp_rank_and_size)
+from engine.rope import get_rope_parameters
 
 logger = logging.getLogger(__name__)
 
