@@ -52,7 +52,7 @@ class MessagesRun:
 
     def _decoder(self) -> ChatDecoder:
         assert self._chat is not None, "prepare() first"
-        return ChatDecoder(self._chat.plan, 1)
+        return self._chat.decoder(1)
 
     def _message(self, content: list[dict[str, Any]], reason: str | None, stop_sequence: str | None,
                  usage: TurnUsage) -> dict[str, Any]:
