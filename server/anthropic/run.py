@@ -11,7 +11,6 @@ once the stream is open is an `error` event, and the stream ends.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -25,6 +24,7 @@ from server.errors import APIError
 from server.generation import Generation
 from server.respond import CLIENT_CLOSED
 from server.state import ServerState
+from server.streaming import sse_event
 
 ROUTE = "messages"
 
@@ -32,10 +32,6 @@ ROUTE = "messages"
 def anthropic_usage(usage: TurnUsage) -> dict[str, int]:
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.output_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
-
-
-def sse_event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 class MessagesRun:
