@@ -57,14 +57,17 @@ class ResponsesRun:
         self.finish_reasons: list[str] = []  # the engine's, for the log line and metrics
         self._chat: ChatRun | None = None
         self._translation: Translation | None = None
+        self.model = req.model or ""
 
     async def prepare(self) -> Generation:
         try:
             self._translation = generation_request(self.req)
             self._chat = ChatRun(self.state, self._translation.chat, route=ROUTE, request_id=self.id)
-            return await self._chat.prepare()
+            gen = await self._chat.prepare()
         except APIError as exc:
             raise in_responses_terms(exc) from None
+        self.model = self.req.model or gen.engine.served_model_name
+        return gen
 
     def _items(self) -> OutputItems:
         assert self._translation is not None, "prepare() first"
@@ -87,7 +90,7 @@ class ResponsesRun:
                 "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == INCOMPLETE else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": req.model or self.state.ready_engine().served_model_name, "output": output,
+                "model": self.model, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": reasoning, "store": False,
                 "temperature": 1.0 if req.temperature is None else req.temperature,
