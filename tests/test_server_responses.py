@@ -319,3 +319,21 @@ def test_failure_mid_stream_is_response_failed(engine):  # noqa: F811
             assert failed["status"] == "failed" and "simulated kernel failure" in failed["error"]["message"]
     finally:
         broken.shutdown()
+
+
+def test_client_config_codex_is_a_responses_provider():
+    import tomllib
+
+    from engine import load_config
+    from server.client_config import RENDERERS, client_settings
+
+    settings = client_settings(load_config(None, overrides={"server.port": 9100, "model.max_context_len": 32768}))
+    text = RENDERERS["codex"](settings)
+    provider = tomllib.loads(text.split("(or $CODEX_HOME/config.toml):\n", 1)[1].split("# and in the shell", 1)[0])
+    assert provider["model"] == settings.model and provider["model_provider"] == "fdserve"
+    block = provider["model_providers"]["fdserve"]
+    assert block["base_url"] == "http://127.0.0.1:9100/v1" and block["wire_api"] == "responses"
+    assert f"export {block['env_key']}=fdserve" in text and "Warning" not in text
+    cc_switch = RENDERERS["cc-switch"](settings)
+    stored = json.loads(cc_switch[cc_switch.rindex("{\n  \"name\": \"fdserve\",\n  \"settingsConfig\""):])
+    assert tomllib.loads(stored["settingsConfig"]["config"])["model_providers"]["fdserve"]["wire_api"] == "responses"
