@@ -10,7 +10,7 @@ import pytest
 
 from server.app import build_app
 from server.responses.custom_tools import custom_input
-from tests.server_harness import LiveServer, tiny_config
+from tests.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 from tests.test_server_openai import MAX_CONTEXT, MODEL, engine  # noqa: F401 - the shared tiny engine fixture
 
 KEY = "responses-test-key"
@@ -46,20 +46,8 @@ def input_tokens(server, **body) -> int:
 
 
 def raw_events(server, body: dict) -> list[tuple[str, dict]]:
-    """(event name, data) of a raw stream, checking that each event line names its data's type."""
-    events = []
-    with httpx.stream("POST", server.base_url + "/responses", json={"model": MODEL, **body, "stream": True},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: "):])
-                assert data["type"] == name
-                events.append((name, data))
-    return events
+    return named_sse_events(server.base_url + "/responses", {"model": MODEL, **body},
+                            {"Authorization": f"Bearer {KEY}"})
 
 
 def check_event_order(events: list[tuple[str, dict]]) -> dict:
@@ -295,30 +283,14 @@ def test_request_too_large(server):
 
 def test_failure_mid_stream_is_response_failed(engine):  # noqa: F811
     """Once the stream is open, a failure is response.failed carrying the response's error, and the stream ends."""
-    from engine import AsyncEngine
-
-    broken = AsyncEngine(tiny_config(engine.config.model.name))
-    broken.start()
-    real_step, calls = broken.engine.step, {"n": 0}
-
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise RuntimeError("simulated kernel failure")
-        return real_step()
-
-    broken.engine.step = failing_step
-    try:
-        with LiveServer(build_app(broken.config, broken)) as live:
-            body = {"input": "Hi", "max_output_tokens": 200, "stream": True}
-            with httpx.stream("POST", live.base_url + "/responses", json=body, timeout=60) as response:
-                lines = [line for line in response.iter_lines() if line]
-            assert response.status_code == 200 and lines[0] == "event: response.created"
-            assert lines[-2] == "event: response.failed" and "response.completed" not in "".join(lines)
-            failed = json.loads(lines[-1].removeprefix("data: "))["response"]
-            assert failed["status"] == "failed" and "simulated kernel failure" in failed["error"]["message"]
-    finally:
-        broken.shutdown()
+    with failing_server(engine.config.model.name) as live:
+        body = {"input": "Hi", "max_output_tokens": 200, "stream": True}
+        with httpx.stream("POST", live.base_url + "/responses", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert response.status_code == 200 and lines[0] == "event: response.created"
+        assert lines[-2] == "event: response.failed" and "response.completed" not in "".join(lines)
+        failed = json.loads(lines[-1].removeprefix("data: "))["response"]
+        assert failed["status"] == "failed" and FAILURE_MESSAGE in failed["error"]["message"]
 
 
 def test_client_config_codex_is_a_responses_provider():
