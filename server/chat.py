@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: validate everything, start the engine, answer (JSON or SSE).
 
 Stream shape (what Cline, CC Switch and the openai SDK read): one role chunk per choice,
-reasoning deltas (`reasoning_content`, also as `reasoning`) before content / tool-call deltas, a separate last chunk per choice with its finish_reason, the
-usage chunk (`choices: []`) only when stream_options.include_usage is true, then [DONE].
+reasoning deltas (`reasoning_content`, also as `reasoning`) before content / tool-call deltas,
+a separate last chunk per choice with its finish_reason, the usage chunk (`choices: []`) only
+when stream_options.include_usage is true, then [DONE].
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from server.errors import APIError, bad_request
 from server.generation import Generation
 from server.logprobs import TokenTexts, chat_logprobs
 from server.prompts import encode_prompt, render_chat
-from server.reasoning import ReasoningSplit, reasoning_split
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningSplit, reasoning_split
 from server.respond import CLIENT_CLOSED, respond, usage
 from server.sampling import build_params, max_tokens_for
 from server.state import ServerState
