@@ -62,6 +62,9 @@ class ModelConfig(_Section):
                                "\"claude-*\") that requests may send for the served model")
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling applied over the checkpoint's "
                                              "own; lets max_context_len go up to factor x the original length")
+    reasoning_parser: Literal["auto", "none", "think"] = Field(
+        "auto", description="split <think>...</think> out of the answer as reasoning: auto = when the chat "
+                            "template contains <think>, think = always, none = never")
 
     @field_validator("aliases")
     @classmethod

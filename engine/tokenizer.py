@@ -140,6 +140,12 @@ class Tokenizer:
         return cls(hf, extra)
 
     @property
+    def chat_template_source(self) -> str:
+        """The Jinja source that renders chats: the model's own, else the fallback ChatML."""
+        template = self.hf.chat_template
+        return template if isinstance(template, str) and template else FALLBACK_CHATML_TEMPLATE
+
+    @property
     def bos_token_id(self) -> int | None:
         return self.hf.bos_token_id
 

@@ -1,5 +1,5 @@
-"""The FastAPI app: routes at / and /v1 (OpenAI's and Anthropic's), their error shapes, keys, body limit,
-lifecycle."""
+"""The FastAPI app: routes at / and /v1 (OpenAI's chat and Responses, Anthropic's Messages), their error
+shapes, keys, body limit, lifecycle."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -14,6 +14,7 @@ from server.auth import APIKeyMiddleware
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
 from server.openapi import install_openapi
+from server.responses.routes import router as responses_router
 from server.routes import router
 from server.state import EngineFactory, ServerState, default_engine_factory
 
@@ -49,6 +50,8 @@ def build_app(config: FdserveConfig, engine: Any | None = None,
     app.include_router(router, prefix="/v1")
     app.include_router(messages_router, include_in_schema=False)
     app.include_router(messages_router, prefix="/v1")
+    app.include_router(responses_router, include_in_schema=False)
+    app.include_router(responses_router, prefix="/v1")
     # Starlette runs the last-added middleware first: keys are checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, keys=config.api.api_keys)

@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: validate everything, start the engine, answer (JSON or SSE).
 
 Stream shape (what Cline, CC Switch and the openai SDK read): one role chunk per choice,
-content / tool-call deltas, a separate last chunk per choice with its finish_reason, the
-usage chunk (`choices: []`) only when stream_options.include_usage is true, then [DONE].
+reasoning deltas (`reasoning_content`, also as `reasoning`) before content / tool-call deltas,
+a separate last chunk per choice with its finish_reason, the usage chunk (`choices: []`) only
+when stream_options.include_usage is true, then [DONE].
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from server.generation import Generation
 from server.logprobs import TokenTexts, chat_logprobs
 from server.prompts import encode_prompt, render_chat
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningSplit, reasoning_split
 from server.respond import CLIENT_CLOSED, respond, usage
 from server.sampling import build_params, max_tokens_for
 from server.state import ServerState
@@ -42,6 +44,7 @@ class _Choice:
 
     index: int
     content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -59,6 +62,7 @@ class ChatRun:
         self.id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.plan: ToolPlan | None = None
+        self.reasoning: ReasoningSplit | None = None
         self.texts: TokenTexts | None = None
 
     def render(self) -> list[int]:
@@ -70,8 +74,11 @@ class ChatRun:
         self.plan = plan_tools(req, template_info(engine.tokenizer))
         if self.plan.forced and req.response_format is not None and req.response_format.type != "text":
             raise bad_request("response_format cannot be combined with a forced tool_choice", "response_format")
-        return encode_prompt(engine, render_chat(engine, req.messages, self.plan,
-                                                 template_kwargs=req.chat_template_kwargs))
+        text = render_chat(engine, req.messages, self.plan, template_kwargs=req.chat_template_kwargs)
+        constrained = self.plan.forced or (req.response_format is not None and req.response_format.type != "text")
+        self.reasoning = reasoning_split(self.state.config.model.reasoning_parser,
+                                         engine.tokenizer.chat_template_source, text, constrained)
+        return encode_prompt(engine, text)
 
     async def prepare(self) -> Generation:
         req = self.req
@@ -87,16 +94,18 @@ class ChatRun:
             params.logits_processors = processors
         return Generation(engine, self.state.metrics, self.route, self.id, [prompt], params)
 
-    def decoder(self, gen: Generation) -> ChatDecoder:
-        return ChatDecoder(self.plan, gen.params.n)
+    def decoder(self, num_choices: int) -> ChatDecoder:
+        """The parser of this request's output (tool calls, reasoning), for any protocol's writer."""
+        return ChatDecoder(self.plan, num_choices, self.reasoning)
 
     # ----- non-streaming ---------------------------------------------------------------------
     async def collect(self, gen: Generation) -> dict[str, Any]:
-        decoder = self.decoder(gen)
+        decoder = self.decoder(gen.params.n)
         choices = [_Choice(i) for i in range(gen.params.n)]
         async for delta in decoder.deltas(gen):
             choice = choices[delta.index]
             choice.content.append(delta.text)
+            choice.reasoning.append(delta.reasoning)
             choice.calls.extend(delta.tool_calls)
             if self.req.logprobs:
                 choice.logprobs.extend(chat_logprobs(list(delta.logprobs), self.texts))
@@ -108,6 +117,9 @@ class ChatRun:
     def _message_choice(self, choice: _Choice) -> dict[str, Any]:
         content = "".join(choice.content)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        reasoning = "".join(choice.reasoning)
+        if reasoning:
+            message.update(reasoning_fields(reasoning))
         calls = assembled_calls(choice.calls)
         if calls:
             message["tool_calls"] = calls
@@ -124,6 +136,9 @@ class ChatRun:
     def _delta_chunks(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
         logprobs = chat_logprobs(list(delta.logprobs), self.texts) if self.req.logprobs and delta.logprobs else None
         chunks = []
+        if delta.reasoning:  # a chunk of its own, so that every reasoning delta precedes the content
+            chunks.append(self._chunk([{"index": delta.index, "delta": reasoning_fields(delta.reasoning),
+                                        "logprobs": None, "finish_reason": None}]))
         if delta.text or delta.tool_calls or logprobs:
             body: dict[str, Any] = {}
             if delta.text:
@@ -139,7 +154,7 @@ class ChatRun:
         return chunks
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
-        decoder = self.decoder(gen)
+        decoder = self.decoder(gen.params.n)
         status, error = CLIENT_CLOSED, None
         try:
             for index in range(gen.params.n):
@@ -158,6 +173,11 @@ class ChatRun:
             yield DONE
         finally:
             gen.log(status, decoder.finish_reasons, error)
+
+
+def reasoning_fields(text: str) -> dict[str, str]:
+    """Reasoning under both names clients read: `reasoning_content` (most) and `reasoning` (vLLM's)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def openai_call_delta(piece: ToolCallDelta) -> dict[str, Any]:

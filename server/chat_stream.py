@@ -1,9 +1,10 @@
 """A chat generation as protocol-neutral events, for every wire format that renders a chat turn.
 
-`ChatDecoder` runs the engine's outputs through the tool-call parser of each choice and yields
-one `ChoiceDelta` per engine delta: new text, tool-call pieces (a call's first piece carries
-its id and name, later ones only argument text), and, on the last one, the finish reason and
-the stop sequence that ended it. Writers (OpenAI chat in server/chat.py, Anthropic Messages in
+`ChatDecoder` runs the engine's outputs through the reasoning parser (server/reasoning.py, for
+thinking models) and the tool-call parser of each choice and yields one `ChoiceDelta` per
+engine delta: new reasoning text, new answer text, tool-call pieces (a call's first piece
+carries its id and name, later ones only argument text), and, on the last one, the finish
+reason and the stop sequence that ended it. Writers (OpenAI chat in server/chat.py, Anthropic Messages in
 server/anthropic/) turn these into their own JSON or SSE; none of them sees the engine or the
 parser. Usage comes from the Generation (`TurnUsage.of`).
 """
@@ -15,6 +16,7 @@ from typing import Any, AsyncGenerator
 from engine.outputs import CompletionDelta
 from engine.sequence import TokenLogprob
 from server.generation import Generation
+from server.reasoning import ReasoningParser, ReasoningSplit
 from server.respond import choice_error
 from server.tool_parser import ToolCallParser
 from server.tools import ToolPlan
@@ -43,10 +45,12 @@ class ToolCallDelta:
 
 @dataclass(frozen=True)
 class ChoiceDelta:
-    """One engine delta of one choice, parsed. `finish_reason`: stop | length | tool_calls."""
+    """One engine delta of one choice, parsed. `reasoning` comes before `text` in the output;
+    `finish_reason`: stop | length | tool_calls."""
 
     index: int
     text: str
+    reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
@@ -73,16 +77,24 @@ def finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
 @dataclass
 class _ChoiceState:
     parser: ToolCallParser | None
+    thoughts: ReasoningParser | None
     finish_reason: str | None = None
 
-    def feed(self, delta: CompletionDelta) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, delta: CompletionDelta) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, text, tool-call pieces) of one engine delta."""
+        reasoning, text = "", delta.text
+        if self.thoughts is not None:
+            reasoning, text = self.thoughts.feed(text)
+            if delta.finish_reason:
+                more_reasoning, more_text = self.thoughts.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if self.parser is None:
-            return delta.text, []
-        text, calls = self.parser.feed(delta.text)
+            return reasoning, text, []
+        text, calls = self.parser.feed(text)
         if delta.finish_reason:
             more_text, more_calls = self.parser.finish()
             text, calls = text + more_text, calls + more_calls
-        return text, calls
+        return reasoning, text, calls
 
     @property
     def has_tool_calls(self) -> bool:
@@ -95,11 +107,13 @@ class ChatDecoder:
 
     plan: ToolPlan | None
     num_choices: int
+    reasoning: ReasoningSplit | None = None
     _choices: list[_ChoiceState] = field(init=False)
 
     def __post_init__(self) -> None:
         parse = self.plan is not None and self.plan.parse_calls
-        self._choices = [_ChoiceState(ToolCallParser(self.plan.style) if parse and self.plan else None)
+        self._choices = [_ChoiceState(ToolCallParser(self.plan.style) if parse and self.plan else None,
+                                      ReasoningParser(self.reasoning) if self.reasoning is not None else None)
                          for _ in range(self.num_choices)]
 
     @property
@@ -119,10 +133,10 @@ class ChatDecoder:
 
     def _parse(self, delta: CompletionDelta) -> ChoiceDelta:
         choice = self._choices[delta.index]
-        text, calls = choice.feed(delta)
+        reasoning, text, calls = choice.feed(delta)
         reason, stop_sequence = None, None
         if delta.finish_reason:
             reason = choice.finish_reason = finish_reason(delta.finish_reason, choice.has_tool_calls)
             stop_sequence = delta.stop_reason if isinstance(delta.stop_reason, str) else None
-        return ChoiceDelta(delta.index, text, tuple(ToolCallDelta.from_parser(c) for c in calls),
+        return ChoiceDelta(delta.index, text, reasoning, tuple(ToolCallDelta.from_parser(c) for c in calls),
                            tuple(delta.logprobs), reason, stop_sequence)

@@ -1,4 +1,4 @@
-"""Client settings (curl, openai SDK, Cline, CC Switch, Claude Code) made from the server's own config.
+"""Client settings (curl, openai SDK, Cline, CC Switch, Claude Code, Codex) made from the server's own config.
 
 The context window printed is the one the server enforces, so client and server never
 disagree about it. Nothing here loads the model (or imports torch): the context length
@@ -172,6 +172,7 @@ def anthropic_base_url(base_url: str) -> str:
 
 
 CLAUDE_CODE_CONTEXT = 32768  # its first request (system prompt, tool definitions) is ~20K tokens
+FIRST_REQUEST_TOKENS = {"Claude Code": "20K", "Codex": "10K"}   # what each agent's first request takes
 
 
 def claude_code_env(s: ClientSettings) -> dict[str, str]:
@@ -182,11 +183,12 @@ def claude_code_env(s: ClientSettings) -> dict[str, str]:
             "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
-def _context_warning(s: ClientSettings) -> str:
+def _context_warning(s: ClientSettings, client: str = "Claude Code") -> str:
     if s.context_window >= CLAUDE_CODE_CONTEXT:
         return ""
-    return (f"# Warning: the context window is {s.context_window} tokens; Claude Code's first request alone is\n"
-            f"# ~20K. Serve more: --max-context-len 32768 (past the model's own length, with\n"
+    first = FIRST_REQUEST_TOKENS[client]
+    return (f"# Warning: the context window is {s.context_window} tokens; {client}'s first request alone is\n"
+            f"# ~{first}. Serve more: --max-context-len 32768 (past the model's own length, with\n"
             f"# --set 'model.rope_scaling={{type=\"yarn\",factor=4.0}}'); see config.toml.\n")
 
 
@@ -234,8 +236,49 @@ def _cc_switch_direct(s: ClientSettings) -> str:
         API Key:         {s.api_key}
         Model:           {s.model}  (also for the Haiku / Sonnet / Opus slots)
         # as CC Switch stores it:
-        """) + json.dumps(provider, indent=2) + "\n" + _context_warning(s)
+        """) + json.dumps(provider, indent=2) + "\n" + _context_warning(s) + _cc_switch_codex(s)
+
+
+def _cc_switch_codex(s: ClientSettings) -> str:
+    """A Codex provider: CC Switch writes its config.toml and key into Codex's settings."""
+    provider = {"name": "fdserve", "settingsConfig": {"auth": {"OPENAI_API_KEY": s.api_key},
+                                                      "config": codex_config_toml(s, "OPENAI_API_KEY")}}
+    return textwrap.dedent(f"""\
+        # Codex: a Codex provider (custom) with this config.toml, and the key as OPENAI_API_KEY:
+        Base URL:        {s.base_url}   (wire_api = "responses")
+        Model:           {s.model}
+        # as CC Switch stores it:
+        """) + json.dumps(provider, indent=2) + "\n"
+
+
+CODEX_KEY_ENV = "FDSERVE_API_KEY"
+CODEX_PROVIDER = "fdserve"
+
+
+def codex_config_toml(s: ClientSettings, key_env: str = CODEX_KEY_ENV) -> str:
+    """The provider block of ~/.codex/config.toml: Codex speaks the Responses API (wire_api)."""
+    return textwrap.dedent(f"""\
+        model = "{s.model}"
+        model_provider = "{CODEX_PROVIDER}"
+
+        [model_providers.{CODEX_PROVIDER}]
+        name = "fdserve"
+        base_url = "{s.base_url}"
+        env_key = "{key_env}"
+        wire_api = "responses"
+        """)
+
+
+def render_codex(s: ClientSettings) -> str:
+    return (textwrap.dedent(f"""\
+        # Codex CLI (`npm install -g @openai/codex`) speaks the Responses API, which this server
+        # answers at {s.base_url}/responses. In ~/.codex/config.toml (or $CODEX_HOME/config.toml):
+        """) + codex_config_toml(s) + textwrap.dedent(f"""\
+        # and in the shell, the key Codex sends:
+        export {CODEX_KEY_ENV}={s.api_key}
+        codex                  # or one task: codex exec --skip-git-repo-check "say hi"
+        """) + _context_warning(s, "Codex"))
 
 
 RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch,
-             "claude-code": render_claude_code}
+             "claude-code": render_claude_code, "codex": render_codex}

@@ -23,6 +23,11 @@ def sse(payload: dict[str, Any]) -> str:
     return "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+def sse_event(name: str, payload: dict[str, Any]) -> str:
+    """A named event (`event:` line, then its data), as the Messages and Responses streams send them."""
+    return f"event: {name}\n" + sse(payload)
+
+
 def sse_error(error: APIError) -> str:
     return sse(error.body())
 

@@ -291,7 +291,7 @@ class ToolCallParser:
             self._buffer = self._buffer[at + len(_OPEN):]
             self._open_call()
             return "" if self.has_calls and not out.strip() else out
-        keep = 0 if final else _partial_suffix(self._buffer, _OPEN)
+        keep = 0 if final else partial_suffix(self._buffer, _OPEN)
         cut = len(self._buffer) - keep
         out, self._buffer = self._buffer[:cut], self._buffer[cut:]
         if self.has_calls and not out.strip():
@@ -308,7 +308,7 @@ class ToolCallParser:
         if self.style == HERMES:
             at = self._buffer.find(_CLOSE)
             if at < 0:
-                keep = 0 if final else _partial_suffix(self._buffer, _CLOSE)
+                keep = 0 if final else partial_suffix(self._buffer, _CLOSE)
                 cut = len(self._buffer) - keep
                 chunk, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 self._raw_call += chunk
@@ -348,7 +348,7 @@ class ToolCallParser:
         return raw
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag` (held back)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):

@@ -1,12 +1,14 @@
 """Helpers for the server tests: a live uvicorn on 127.0.0.1 in a thread, tiny engines, metrics."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import uvicorn
@@ -63,6 +65,55 @@ class LiveServer:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def named_sse_events(url: str, body: dict, headers: dict[str, str]) -> list[tuple[str, dict]]:
+    """(event name, data) of a raw stream of named events (Messages, Responses), checking that each
+    `event:` line names its data's type."""
+    events = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+                assert data["type"] == name
+                events.append((name, data))
+    return events
+
+
+FAILURE_MESSAGE = "simulated kernel failure"
+
+
+@contextmanager
+def failing_server(model_dir: Path, steps: int = 5) -> Iterator[LiveServer]:
+    """A live server on a fresh engine whose step fails (FAILURE_MESSAGE) after `steps` steps."""
+    from engine import AsyncEngine
+    from server.app import build_app
+
+    broken = AsyncEngine(tiny_config(model_dir))
+    broken.start()
+    fail_after_steps(broken, steps)
+    try:
+        with LiveServer(build_app(broken.config, broken)) as live:
+            yield live
+    finally:
+        broken.shutdown()
+
+
+def fail_after_steps(async_engine: Any, steps: int = 5) -> None:
+    """Make a started AsyncEngine's engine raise FAILURE_MESSAGE from its step after `steps` steps."""
+    real_step, calls = async_engine.engine.step, {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] > steps:
+            raise RuntimeError(FAILURE_MESSAGE)
+        return real_step()
+
+    async_engine.engine.step = failing_step
 
 
 def metric(root: str, name: str, labels: str = "") -> float:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from server.app import build_app
-from tests.server_harness import LiveServer, tiny_config
+from tests.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 from tests.test_server_openai import MAX_CONTEXT, MODEL, engine  # noqa: F401 - the shared tiny engine fixture
 
 KEY = "messages-test-key"
@@ -42,20 +42,8 @@ def billing_block(nonce: str) -> dict:
 
 
 def sse_events(server, body: dict) -> list[tuple[str, dict]]:
-    """(event name, data) of a raw stream, checking that each event line names its data's type."""
-    events = []
-    with httpx.stream("POST", server.base_url + "/messages?beta=true", json={**body, "stream": True},
-                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}, timeout=60) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: "):])
-                assert data["type"] == name
-                events.append((name, data))
-    return events
+    return named_sse_events(server.base_url + "/messages?beta=true", body,
+                            {"x-api-key": KEY, "anthropic-version": "2023-06-01"})
 
 
 # ----- happy paths ---------------------------------------------------------------------------
@@ -221,32 +209,16 @@ def test_context_overflow_wording(client):
 
 def test_failure_mid_stream_is_an_error_event(engine):  # noqa: F811
     """Once the stream is open, a failure is an `error` event (the SDK raises on it) and the stream ends."""
-    from engine import AsyncEngine
-
-    broken = AsyncEngine(tiny_config(engine.config.model.name))
-    broken.start()
-    real_step, calls = broken.engine.step, {"n": 0}
-
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise RuntimeError("simulated kernel failure")
-        return real_step()
-
-    broken.engine.step = failing_step
-    try:
-        with LiveServer(build_app(broken.config, broken)) as live:
-            body = {"model": MODEL, "max_tokens": 200, "messages": HELLO, "stream": True,
-                    "stop_sequences": ["\x00never"]}
-            with httpx.stream("POST", live.base_url + "/messages", json=body, timeout=60) as response:
-                lines = [line for line in response.iter_lines() if line]
-            assert response.status_code == 200 and lines[0] == "event: message_start"
-            assert lines[-2] == "event: error" and "message_stop" not in "".join(lines)
-            error = json.loads(lines[-1].removeprefix("data: "))
-            assert error["type"] == "error" and error["error"]["type"] == "api_error"
-            assert "simulated kernel failure" in error["error"]["message"]
-    finally:
-        broken.shutdown()
+    with failing_server(engine.config.model.name) as live:
+        body = {"model": MODEL, "max_tokens": 200, "messages": HELLO, "stream": True,
+                "stop_sequences": ["\x00never"]}
+        with httpx.stream("POST", live.base_url + "/messages", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert response.status_code == 200 and lines[0] == "event: message_start"
+        assert lines[-2] == "event: error" and "message_stop" not in "".join(lines)
+        error = json.loads(lines[-1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert FAILURE_MESSAGE in error["error"]["message"]
 
 
 @pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),

@@ -9,7 +9,7 @@ import pytest
 
 from engine import AsyncEngine
 from server.app import build_app
-from tests.server_harness import LiveServer, metric, tiny_config, wait_until
+from tests.server_harness import FAILURE_MESSAGE, LiveServer, fail_after_steps, metric, tiny_config, wait_until
 from tests.tiny_models import make_tiny_model
 
 MODEL = "tiny"
@@ -201,15 +201,7 @@ def test_request_timeout_ends_with_an_error(model_dir):
 
 def test_engine_failure_mid_stream_is_an_in_band_error(model_dir):
     engine = start_engine(model_dir)
-    real_step, calls = engine.engine.step, {"n": 0}
-
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise RuntimeError("simulated kernel failure")
-        return real_step()
-
-    engine.engine.step = failing_step
+    fail_after_steps(engine)
     try:
         with LiveServer(build_app(engine.config, engine)) as live:
             stream = client_for(live.base_url).chat.completions.create(
@@ -218,7 +210,7 @@ def test_engine_failure_mid_stream_is_an_in_band_error(model_dir):
             with pytest.raises(openai.APIError) as err:
                 for chunk in stream:
                     received.append(chunk)
-            assert received and "simulated kernel failure" in err.value.message
+            assert received and FAILURE_MESSAGE in err.value.message
             assert httpx.get(live.root + "/health").status_code == 503
             response = httpx.post(live.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES})
             assert response.status_code == 503

@@ -14,8 +14,9 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE):
-    """A byte-level BPE with no merges: exact round trip of any UTF-8 text; 256 + 3 tokens."""
+def make_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE, extra_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE with no merges: exact round trip of any UTF-8 text; 256 + 3 tokens, then
+    `extra_tokens` as ordinary (not special) added tokens, as Qwen3 has <think> and </think>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -25,6 +26,7 @@ def make_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(list(extra_tokens))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                    eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = chat_template
@@ -36,11 +38,13 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied")
 
 
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers: int = 2,
-                    max_position_embeddings: int = 2048, chat_template: str = CHATML_TEMPLATE) -> Path:
-    """Save a tiny random model of `family` (hidden 64, 4 q heads / 2 KV heads) plus tokenizer."""
+                    max_position_embeddings: int = 2048, chat_template: str = CHATML_TEMPLATE,
+                    extra_tokens: tuple[str, ...] = ()) -> Path:
+    """Save a tiny random model of `family` (hidden 64, 4 q heads / 2 KV heads) plus tokenizer
+    (`extra_tokens` get ids 259, 260, ...)."""
     import transformers as tf
 
-    common = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    common = dict(vocab_size=259 + len(extra_tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                   bos_token_id=257, eos_token_id=258, pad_token_id=256, rms_norm_eps=1e-6)
     if family in ("llama", "llama_tied"):
@@ -69,5 +73,5 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers
             if "norm" not in name:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(str(path))
-    make_byte_tokenizer(path, chat_template)
+    make_byte_tokenizer(path, chat_template, extra_tokens)
     return path

@@ -1,12 +1,15 @@
 """Parsed chat deltas → Anthropic content blocks, as stream events and as the finished list.
 
-Text and tool calls become `text` and `tool_use` blocks in the order the model wrote them; a
-block closes when the next one starts or the turn ends. Tool-call arguments stream as
+Reasoning, text and tool calls become `thinking`, `text` and `tool_use` blocks in the order the
+model wrote them; a block closes when the next one starts or the turn ends. A thinking block
+streams `thinking_delta`s, then one `signature_delta` just before it closes (the signature is
+a digest of the thought: clients send it back with the block, and the server drops both). Tool-call arguments stream as
 `input_json_delta` pieces (their concatenation is the input object's JSON); the finished
 block's `input` is that object ({} when the model was cut off before closing it).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +32,10 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
+def thinking_signature(thinking: str) -> str:
+    return "fdserve-" + hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
+
+
 def _input_object(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments) if arguments else {}
@@ -46,8 +53,10 @@ class ContentBlocks:
 
     def feed(self, delta: ChoiceDelta) -> list[Event]:
         events: list[Event] = []
+        if delta.reasoning:
+            events += self._grow("thinking", "thinking", delta.reasoning)
         if delta.text:
-            events += self._text(delta.text)
+            events += self._grow("text", "text", delta.text)
         for piece in delta.tool_calls:
             events += self._tool_call(piece)
         return events
@@ -56,16 +65,21 @@ class ContentBlocks:
         block = self._open
         if block is None:
             return []
+        events: list[Event] = []
         if block["type"] == "tool_use":
             block["input"] = _input_object(self._arguments)
+        elif block["type"] == "thinking":
+            block["signature"] = thinking_signature(block["thinking"])
+            events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         self._open, self._arguments, self._call_index = None, "", None
-        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+        return events + [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
 
     def _start(self, block: dict[str, Any]) -> list[Event]:
         events = self.close()
         self.blocks.append(block)
         self._open = block
-        shown = {**block, "input": {}} if block["type"] == "tool_use" else {**block, "text": ""}
+        empty = {"tool_use": {"input": {}}, "thinking": {"thinking": "", "signature": ""}}.get(block["type"], {"text": ""})
+        shown = {**block, **empty}
         events.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
                                                "content_block": shown}))
         return events
@@ -73,12 +87,16 @@ class ContentBlocks:
     def _delta(self, delta: dict[str, Any]) -> Event:
         return "content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
-    def _text(self, text: str) -> list[Event]:
-        events = [] if self._open is not None and self._open["type"] == "text" else self._start(
-            {"type": "text", "text": ""})
+    def _grow(self, block_type: str, key: str, text: str) -> list[Event]:
+        """Append to the open block of this type (thinking or text), opening one if needed."""
+        if self._open is None or self._open["type"] != block_type:
+            fresh = {"type": block_type, key: "", **({"signature": ""} if block_type == "thinking" else {})}
+            events = self._start(fresh)
+        else:
+            events = []
         assert self._open is not None
-        self._open["text"] += text
-        return events + [self._delta({"type": "text_delta", "text": text})]
+        self._open[key] += text
+        return events + [self._delta({"type": f"{key}_delta", key: text})]
 
     def _tool_call(self, piece: ToolCallDelta) -> list[Event]:
         events: list[Event] = []

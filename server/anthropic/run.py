@@ -11,7 +11,6 @@ once the stream is open is an `error` event, and the stream ends.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -26,6 +25,7 @@ from server.generation import Generation
 from server.keepalive import with_keepalive
 from server.respond import CLIENT_CLOSED
 from server.state import ServerState
+from server.streaming import sse_event
 
 ROUTE = "messages"
 
@@ -33,10 +33,6 @@ ROUTE = "messages"
 def anthropic_usage(usage: TurnUsage) -> dict[str, int]:
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.output_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
-
-
-def sse_event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 class MessagesRun:
@@ -53,7 +49,7 @@ class MessagesRun:
 
     def _decoder(self) -> ChatDecoder:
         assert self._chat is not None, "prepare() first"
-        return ChatDecoder(self._chat.plan, 1)
+        return self._chat.decoder(1)
 
     def _message(self, content: list[dict[str, Any]], reason: str | None, stop_sequence: str | None,
                  usage: TurnUsage) -> dict[str, Any]:
