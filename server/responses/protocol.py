@@ -22,7 +22,7 @@ def _kind(default: str, tags: dict[str, str]) -> Any:
     """A discriminator on `type` (`default` when absent) through `tags`; unknown types go to "other"."""
     def pick(value: Any) -> str:
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return tags.get(kind, "other")
+        return tags.get(kind, "other") if isinstance(kind, str) else "other"   # a non-string type is no known one
     return Discriminator(pick)
 
 
