@@ -176,11 +176,11 @@ def claude_code_env(s: ClientSettings) -> dict[str, str]:
             "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
-def _context_warning(s: ClientSettings, client: str = "Claude Code") -> str:
+def _context_warning(s: ClientSettings, client: str = "Claude Code", first_request: str = "alone is\n# ~10K") -> str:
     if s.context_window >= CLAUDE_CODE_CONTEXT:
         return ""
-    return (f"# Warning: the context window is {s.context_window} tokens; {client}'s first request alone is\n"
-            f"# ~10K. Serve more: --max-context-len 32768 (past the model's own length, with\n"
+    return (f"# Warning: the context window is {s.context_window} tokens; {client}'s first request {first_request}."
+            f" Serve more: --max-context-len 32768 (past the model's own length, with\n"
             f"# --set 'model.rope_scaling={{type=\"yarn\",factor=4.0}}'); see config.toml.\n")
 
 
@@ -266,7 +266,7 @@ def render_codex(s: ClientSettings) -> str:
         # and in the shell, the key Codex sends:
         export {CODEX_KEY_ENV}={s.api_key}
         codex                  # or one task: codex exec --skip-git-repo-check "say hi"
-        """) + _context_warning(s, "Codex"))
+        """) + _context_warning(s, "Codex", "is ~6.5K tokens\n# and every turn resends the whole history"))
 
 
 RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch,
