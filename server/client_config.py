@@ -172,7 +172,6 @@ def anthropic_base_url(base_url: str) -> str:
 
 
 CLAUDE_CODE_CONTEXT = 32768  # its first request (system prompt, tool definitions) is ~20K tokens
-FIRST_REQUEST_TOKENS = {"Claude Code": "20K", "Codex": "10K"}   # what each agent's first request takes
 
 
 def claude_code_env(s: ClientSettings) -> dict[str, str]:
@@ -183,12 +182,11 @@ def claude_code_env(s: ClientSettings) -> dict[str, str]:
             "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
-def _context_warning(s: ClientSettings, client: str = "Claude Code") -> str:
+def _context_warning(s: ClientSettings, client: str = "Claude Code", first_request: str = "alone is\n# ~20K") -> str:
     if s.context_window >= CLAUDE_CODE_CONTEXT:
         return ""
-    first = FIRST_REQUEST_TOKENS[client]
-    return (f"# Warning: the context window is {s.context_window} tokens; {client}'s first request alone is\n"
-            f"# ~{first}. Serve more: --max-context-len 32768 (past the model's own length, with\n"
+    return (f"# Warning: the context window is {s.context_window} tokens; {client}'s first request {first_request}."
+            f" Serve more: --max-context-len 32768 (past the model's own length, with\n"
             f"# --set 'model.rope_scaling={{type=\"yarn\",factor=4.0}}'); see config.toml.\n")
 
 
@@ -277,7 +275,7 @@ def render_codex(s: ClientSettings) -> str:
         # and in the shell, the key Codex sends:
         export {CODEX_KEY_ENV}={s.api_key}
         codex                  # or one task: codex exec --skip-git-repo-check "say hi"
-        """) + _context_warning(s, "Codex"))
+        """) + _context_warning(s, "Codex", "is ~6.5K tokens\n# and every turn resends the whole history"))
 
 
 RENDERERS = {"curl": render_curl, "openai": render_openai, "cline": render_cline, "cc-switch": render_cc_switch,

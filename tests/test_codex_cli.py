@@ -27,11 +27,11 @@ pytestmark = pytest.mark.clients
 REPO = Path(__file__).resolve().parent.parent
 PORT = 8766
 SERVER_FLAGS = {"server.host": "127.0.0.1", "server.port": PORT, "model.max_context_len": 32768,
-                "model.max_new_tokens": 128, "server.log_level": "info"}
+                "model.max_new_tokens": 128}
 SERVE = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(PORT),
          "--max-context-len", "32768",
          "--set", 'model.rope_scaling={type="yarn",factor=4.0,original_max_position_embeddings=8192}',
-         "--set", "model.max_new_tokens=128", "--set", "server.log_level=info"]
+         "--set", "model.max_new_tokens=128", "--set", "server.request_timeout=1800", "--set", "server.log_level=info"]
 # Codex's own settings for a run that stays on this machine: no update check, no analytics or
 # feedback, one try per request, and room for a slow CPU prefill before the first event.
 CODEX_TOP_LEVEL = """check_for_update_on_startup = false
@@ -81,7 +81,7 @@ def _script(log: Path, out: Path, home: Path, work: Path) -> str:
             sleep 1
         done
         cd {work} && CODEX_HOME={home} FDSERVE_API_KEY=fdserve timeout 1500 \
-            codex exec --skip-git-repo-check "say hi" > {out} 2>&1
+            codex exec --skip-git-repo-check "say hi" < /dev/null > {out} 2>&1
         status=$?
         kill $server; wait $server
         exit $status
