@@ -1,7 +1,7 @@
 """`[flashdecoding]` -> the attention functions a step runs (`engine.attention.AttentionBackend`).
 
-The switches map one to one onto a decode variant (DESIGN.md, "Meaning of the attention
-switches"); nothing falls back silently to another algorithm:
+The switches map one to one onto a decode variant; nothing falls back silently to another
+algorithm:
 
   enable = false                          -> "standard": one pass over each sequence's KV
   kernel = "flash", async_softmax = false -> "flash": split-KV + exact log-sum-exp merge
