@@ -1,10 +1,10 @@
-"""Registers `fdserve bench` with the CLI (see server/cli.py EXTENSIONS); light at import time."""
+"""Registers `fdserve bench` with the CLI (see server/cli/main.py EXTENSIONS); light at import time."""
 from __future__ import annotations
 
 import argparse
 import importlib
 
-from server.cli import subcommand
+from server.cli.main import subcommand
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:

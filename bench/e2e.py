@@ -83,7 +83,7 @@ def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
 
     Times are taken when `step()` returns, i.e. when the token ids are on the host.
     """
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     start = time.perf_counter()
     ids = [f"bench-{start:.6f}-{i}" for i in range(len(prompts))]
@@ -120,7 +120,7 @@ def steady_decode_tok_s(timings: list[RequestTiming]) -> float | None:
 
 
 def build_llm(config: Any, variant: str) -> Any:
-    from engine.offline import LLM
+    from engine.core.offline import LLM
 
     return LLM(config, **VARIANTS[variant])
 
@@ -166,9 +166,9 @@ def measure_hf_baseline(config: Any, args: argparse.Namespace) -> dict[str, Any]
     from transformers import AutoConfig
 
     from bench.hf_generate import measure_transformers
-    from engine.device import select_device, select_dtype
-    from engine.loader import resolve_model_dir
-    from engine.tokenizer import Tokenizer
+    from engine.worker.device import select_device, select_dtype
+    from engine.model.loader import resolve_model_dir
+    from engine.text.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(config.model.name)
     device, _ = select_device(config.backend.gpu_vendor)

@@ -39,8 +39,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.ffd import ATTEND_PROGRAMS_PER_SM, choose_splits  # noqa: E402
-from kernels.ffd_tiles import _release_next, _wait_previous  # noqa: E402
+from kernels.ffd.decode import ATTEND_PROGRAMS_PER_SM, choose_splits  # noqa: E402
+from kernels.ffd.tiles import _release_next, _wait_previous  # noqa: E402
 from kernels.vendor import num_compute_units, programmatic_launch  # noqa: E402
 
 BS = 128

@@ -21,12 +21,12 @@ Flash-Decoding kernel and torch SDPA, in one run.
              which FFD is faster at both batch sizes (the `kernel = "auto"` crossover).
 --auto-dense `kernel = "auto"` below its crossover (the FFD kernel's dense split-KV rows) against our
              flash kernel at 4K and 16K, B in {1, 8}: output difference and time.
---prefill    the FFD prefill kernel (kernels/ffd_prefill.py) on the last 2,048-query chunk of an 8K and
+--prefill    the FFD prefill kernel (kernels/ffd/prefill.py) on the last 2,048-query chunk of an 8K and
              a 32K prompt (B = 1, Llama-3.1-8B shapes), synthetic f = 0.1 and unstructured N(0,1)
              keys (nothing pruned): error vs the torch rule (fp32, on the GPU) and time against our
              dense Triton prefill on the same pages. --prefill-sweep: its time at 32K per tile
              and warp count.
---sweep NAME=V1,V2  each value of a tuning constant of kernels/ffd.py (SCAN_STAGES, PM_SLICE, ...;
+--sweep NAME=V1,V2  each value of a tuning constant of kernels/ffd/decode.py (SCAN_STAGES, PM_SLICE, ...;
              repeatable) timed beside the defaults in one run, same inputs, at B in {1, 8}, L in {16K ..
              256K}, f = 0.1 (and 0.02 at 128K), Llama-3.1-8B shapes plus one head_dim 64 row, and
              `auto`'s dense rows at 4K and 16K; whether each output is bit-equal to the defaults'
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import Timer, copy_bandwidth, time_sdpa  # noqa: E402
 from kernels.vendor import programmatic_launch  # noqa: E402
-from kernels.ffd_reference import FFDParams, QuantizedPages, dequantize_blocks_ref, ffd_decode_ref, quantize_blocks_ref  # noqa: E402
+from kernels.ffd.reference import FFDParams, QuantizedPages, dequantize_blocks_ref, ffd_decode_ref, quantize_blocks_ref  # noqa: E402
 
 BS = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"    # cpu: --smoke under the Triton interpreter
@@ -94,7 +94,7 @@ class Case:
         self.qp = QuantizedPages(torch.zeros(num, hkv, BS, dim // 4, dtype=torch.uint8, device=dev),
                                  torch.zeros(num, hkv, dim, device=dev),
                                  torch.zeros(num, hkv, BS, dim, dtype=torch.float8_e4m3fn, device=dev))
-        from kernels.ffd_quantize import quantize_on_write
+        from kernels.ffd.quantize import quantize_on_write
         full = torch.cat([self.tables[b, :n // BS].long() for b, n in enumerate(lens)])
         quantize_on_write(self.k, self.qp.codes, self.qp.scales, self.qp.residual, full * BS + BS - 1)
 
@@ -156,7 +156,7 @@ class Case:
 
 def ffd(case, p, **kw):
     """The FFD decode as the engine calls it: one counter buffer kept across calls (no memset per call)."""
-    from kernels.ffd import ffd_decode, ffd_sync_buffer
+    from kernels.ffd.decode import ffd_decode, ffd_sync_buffer
     if getattr(case, "sync", None) is None:
         case.sync = ffd_sync_buffer(len(case.lens), case.hkv, case.q.device)
     return ffd_decode(case.q, case.k, case.v, case.qp.codes, case.qp.scales, case.qp.residual, case.tables,
@@ -325,7 +325,7 @@ def run_crossover(timer, gen) -> dict:
 
 def prefill_runner(case, q, chunk: int):
     """A call of the FFD prefill on `case`'s pages with the chunk's queries `q` (graph-safe)."""
-    from kernels.ffd_prefill import ffd_prefill
+    from kernels.ffd.prefill import ffd_prefill
     qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
     return lambda: ffd_prefill(q, case.k, case.v, case.qp.codes, case.qp.scales, case.qp.residual, case.tables,
                                case.seq, qsl, scale=case.dim ** -0.5, params=params(), max_query_len=chunk)
@@ -339,7 +339,7 @@ def chunk_queries(case, gen, chunk: int) -> torch.Tensor:
 
 def run_prefill_sweep(timer, gen, chunk: int = 2048) -> list[dict]:
     """FFD prefill time at 32K over the tile (`TILE_ROWS`) and warp (`PREFILL_WARPS`) choices."""
-    import kernels.ffd_prefill as fp
+    import kernels.ffd.prefill as fp
     shipped = fp.TILE_ROWS, fp.PREFILL_WARPS
     rows = []
     for f_hot in (0.1, None):
@@ -359,7 +359,7 @@ def run_prefill_sweep(timer, gen, chunk: int = 2048) -> list[dict]:
 
 def run_prefill(timer, gen, chunk: int = 2048) -> list[dict]:
     from kernels import prefill_attention
-    from kernels.ffd_reference import ffd_prefill_ref
+    from kernels.ffd.reference import ffd_prefill_ref
     rows = []
     for length in (8192, 32768):
         for f_hot in (0.1, None):
@@ -406,7 +406,7 @@ def run_auto_dense(timer, gen) -> list[dict]:
     return rows
 
 
-# kernels/ffd.py constants a sweep may override: launch shapes only, none changes the rule
+# kernels/ffd/decode.py constants a sweep may override: launch shapes only, none changes the rule
 TUNABLE = ("SCAN_PROGRAMS_PER_SM", "ATTEND_PROGRAMS_PER_SM", "MIN_PER_SPLIT", "DENSE_MIN_PER_SPLIT", "SCAN_STAGES",
            "SCAN_WARPS", "SCAN_BLOCKS_PER_STEP", "PM_SLICE", "DECIDE_CHUNK", "MERGE_TILE", "SCAN_WAVE_MIN_STEPS")
 # (B, L, f, Hq, Hkv, D, "auto" below its crossover: the FFD kernel's dense rows)
@@ -437,7 +437,7 @@ def parse_sweep(specs: list[str]) -> list[tuple[str, int]]:
 
 def run_sweep(timer, gen, overrides: list[tuple[str, int]], deadline: float) -> list[dict]:
     """Per case: the defaults (timed first and last, the faster kept) and each override, same inputs."""
-    import kernels.ffd as ffd_module
+    import kernels.ffd.decode as ffd_module
     rows = []
     for batch, length, f_hot, hq, hkv, dim, dense in SWEEP_CASES:
         if time.time() > deadline:
@@ -494,7 +494,7 @@ def dump_real(length: int, layers: list[int]) -> None:
     K and V of a few layers in bf16 (about 3 MB per layer at 8K)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
-    from engine.attention import AttentionBackend
+    from engine.attention.layer import AttentionBackend
     import gzip
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_pretrained(model_dir)
@@ -572,7 +572,7 @@ def main() -> None:
     ap.add_argument("--auto-dense", action="store_true")
     ap.add_argument("--dump-real", action="store_true")
     ap.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
-                    help="time kernels/ffd.py with a tuning constant set to each value, beside the defaults")
+                    help="time kernels/ffd/decode.py with a tuning constant set to each value, beside the defaults")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny checks, no timing")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting new bench rows after this")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -4,7 +4,7 @@
 
 Text: the GnuTLS release notes shipped with the system (/usr/share/doc/libgnutls30/NEWS.gz, English
 prose, offline). δ in natural-log units; block 128, sinks 4, local window 128 (config defaults).
-Everything runs in float32 with the torch rule of `kernels/ffd_reference.py`, which is what
+Everything runs in float32 with the torch rule of `kernels/ffd/reference.py`, which is what
 `kernel = "ffd"` runs on the CPU and what the Triton kernel computes on the GPU.
 
 1. attention analysis: per layer, on the dense model's own q/k/v at `--probes` query positions of
@@ -43,12 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention import Attention, AttentionBackend, AttentionMetadata, forward_context  # noqa: E402
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, forward_context  # noqa: E402
 from engine.config import FlashDecodingConfig  # noqa: E402
-from engine.ffd_backend import make_ffd_backend, params_from_config  # noqa: E402
-from engine.loader import load_model, resolve_model_dir  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from kernels.ffd_reference import FP8, attend_seq_ref, dequantize_blocks_ref, quantize_blocks_ref  # noqa: E402
+from engine.attention.ffd import make_ffd_backend, params_from_config  # noqa: E402
+from engine.model.loader import load_model, resolve_model_dir  # noqa: E402
+from engine.text.tokenizer import Tokenizer  # noqa: E402
+from kernels.ffd.reference import FP8, attend_seq_ref, dequantize_blocks_ref, quantize_blocks_ref  # noqa: E402
 
 TEXT = Path("/usr/share/doc/libgnutls30/NEWS.gz")
 BS = 128

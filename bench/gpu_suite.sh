@@ -15,8 +15,8 @@ step() {  # step SECONDS NAME COMMAND...: run, log to OUT/NAME.log, say how it e
     echo "$name: exit $? ($(tail -n 1 "$OUT/$name.log"))"
 }
 if [ "$PART" = kernels ] || [ "$PART" = all ]; then
-    step 240 gpu_tests python -m pytest -q tests/test_engine_gpu.py tests/test_fused_ops.py tests/test_matmul.py \
-        tests/test_kernels.py tests/test_ffd_kernels.py tests/test_ffd_prefill.py tests/test_ffd_compact.py
+    step 240 gpu_tests python -m pytest -q tests/engine/test_engine_gpu.py tests/kernels/test_fused_ops.py tests/kernels/test_matmul.py \
+        tests/kernels/test_kernels.py tests/kernels/test_ffd_kernels.py tests/kernels/test_ffd_prefill.py tests/engine/test_ffd_compact.py
     step 100 ffd_check python bench/ffd_kernels.py --check --out "$OUT"
     step 120 ffd_bench python bench/ffd_kernels.py --bench --budget-s 90 --out "$OUT"
     step 100 ffd_prefill python bench/ffd_kernels.py --prefill --out "$OUT/prefill"

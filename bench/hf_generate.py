@@ -23,7 +23,7 @@ def _sync(device: torch.device) -> None:
 def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.synthetic import synthetic_marker
+    from engine.model.synthetic import synthetic_marker
 
     if synthetic_marker(model_dir) is not None:
         config = AutoConfig.from_pretrained(model_dir)

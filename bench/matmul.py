@@ -5,7 +5,7 @@
 Llama-3.1-8B's five decode products in bf16 (qkv 4096→6144, o 4096→4096, gate_up 4096→28672,
 down 14336→4096, lm_head 4096→128256) at M = 1..16, 32, 64, 128, 256:
 1. every variant against the fp32 product on fresh random data, before any timing;
-2. CUDA-graph timing (engine.tune.GraphTimer: many calls per graph cycling through weight copies
+2. CUDA-graph timing (engine.tools.tune.GraphTimer: many calls per graph cycling through weight copies
    that exceed 3× the L2, so W always comes from HBM), median of replays, and the fraction of the
    weight-read floor (weight + x + y bytes at the copy bandwidth measured in the same run). The
    variants of one (shape, M) are timed in ROUNDS interleaved rounds and each keeps its median:
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth  # noqa: E402
-from engine.tune import DEFAULT_MS, GraphTimer, tune_shapes  # noqa: E402
-from kernels.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
-from kernels.matmul_dispatch import AdaptiveMatmul, MatmulTable, find_table_path, load_table  # noqa: E402
+from engine.tools.tune import DEFAULT_MS, GraphTimer, tune_shapes  # noqa: E402
+from kernels.gemm.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
+from kernels.gemm.dispatch import AdaptiveMatmul, MatmulTable, find_table_path, load_table  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -48,7 +48,7 @@ def get_table(path: str | None, quick: bool) -> tuple[MatmulTable, str]:
     table = load_table(table_path)
     if table is not None:
         return table, str(table_path)
-    print(f"no matmul table at {table_path}: tuning the five shapes first (engine.tune)", flush=True)
+    print(f"no matmul table at {table_path}: tuning the five shapes first (engine.tools.tune)", flush=True)
     table, failures = tune_shapes({f"{k}_proj" if k != "lm_head" else k: s for k, s in SHAPES.items()},
                                   list(DEFAULT_MS), torch.bfloat16, True, quick=quick)
     if failures:

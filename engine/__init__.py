@@ -1,6 +1,6 @@
 """fdserve's engine: everything between a request and a kernel call."""
 from engine.config import ConfigError, FdserveConfig, load_config
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "ConfigError", "FdserveConfig", "LLM", "LLMEngine", "SamplingParams", "load_config"]
 
@@ -8,12 +8,12 @@ __all__ = ["AsyncEngine", "ConfigError", "FdserveConfig", "LLM", "LLMEngine", "S
 def __getattr__(name: str):
     # Lazy: importing the config or sampling params must not pull in torch and the model code.
     if name == "LLM":
-        from engine.offline import LLM
+        from engine.core.offline import LLM
         return LLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
         return LLMEngine
     if name == "AsyncEngine":
-        from engine.async_engine import AsyncEngine
+        from engine.core.async_engine import AsyncEngine
         return AsyncEngine
     raise AttributeError(name)

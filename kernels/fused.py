@@ -2,7 +2,7 @@
 RoPE + KV-cache store.
 
 Each replaces several small torch launches by one, and matches the torch modules of
-`engine/layers.py` numerically: low-precision values are rounded where torch rounds them (the
+`engine/model/layers.py` numerically: low-precision values are rounded where torch rounds them (the
 residual sum, the normalised activations before the weight, silu(gate) before the product), all
 arithmetic in between runs in float32. The remaining differences are float32 ones (reduction order,
 rsqrt/exp approximations, fused multiply-adds) that flip at most one last bit after rounding.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.reference import store_kv_ref
+from kernels.attention.reference import store_kv_ref
 
 MAX_NORM_HIDDEN = 16384   # one row lives in registers; beyond this it would spill
 SILU_BLOCK = 1024         # columns of the intermediate size per program

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.chat_stream import LENGTH, TOOL_CALLS, ChoiceDelta, ToolCallDelta
+from server.openai.chat_stream import LENGTH, TOOL_CALLS, ChoiceDelta, ToolCallDelta
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, payload)
 

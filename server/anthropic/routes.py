@@ -14,13 +14,13 @@ from server.anthropic.errors import error_response
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from server.anthropic.run import ROUTE, MessagesRun
 from server.anthropic.translate import chat_request
-from server.chat import ChatRun
-from server.errors import APIError, from_engine_error
-from server.generation import log_rejected
-from server.openapi import request_body
-from server.respond import respond
-from server.routes import parse_body
-from server.state import ServerState
+from server.openai.chat import ChatRun
+from server.core.errors import APIError, from_engine_error
+from server.core.generation import log_rejected
+from server.core.openapi import request_body
+from server.openai.respond import respond
+from server.openai.routes import parse_body
+from server.core.state import ServerState
 
 router = APIRouter()
 

@@ -18,14 +18,14 @@ from server.anthropic.blocks import ContentBlocks, stop_reason
 from server.anthropic.errors import anthropic_error_body, error_message
 from server.anthropic.protocol import MessagesRequest
 from server.anthropic.translate import generation_request
-from server.chat import ChatRun
-from server.chat_stream import ChatDecoder, TurnUsage
-from server.errors import APIError
-from server.generation import Generation
-from server.keepalive import with_keepalive
-from server.respond import CLIENT_CLOSED
-from server.state import ServerState
-from server.streaming import sse_event
+from server.openai.chat import ChatRun
+from server.openai.chat_stream import ChatDecoder, TurnUsage
+from server.core.errors import APIError
+from server.core.generation import Generation
+from server.core.keepalive import with_keepalive
+from server.openai.respond import CLIENT_CLOSED
+from server.core.state import ServerState
+from server.core.streaming import sse_event
 
 ROUTE = "messages"
 

@@ -19,8 +19,8 @@ from typing import Any
 from server.anthropic.billing import without_billing_header
 from server.anthropic.protocol import (MediaBlock, Message, MessagesRequest, TextBlock, ThinkingBlock,
                                        ToolChoice, ToolResultBlock, ToolUseBlock, Conversation)
-from server.errors import bad_request
-from server.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
+from server.core.errors import bad_request
+from server.openai.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
                              NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCall)
 
 

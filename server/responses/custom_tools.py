@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from server.protocol import FunctionDefinition
+from server.openai.protocol import FunctionDefinition
 from server.responses.protocol import CustomTool
 
 CUSTOM_INPUT_KEY = "input"

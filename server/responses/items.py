@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.chat_stream import ChoiceDelta, ToolCallDelta
+from server.openai.chat_stream import ChoiceDelta, ToolCallDelta
 from server.responses.custom_tools import custom_input
 
 Event = tuple[str, dict[str, Any]]  # (event type, payload without type and sequence_number)

@@ -17,16 +17,16 @@ import itertools
 import time
 from typing import Any, AsyncIterator
 
-from server.chat import ChatRun
-from server.chat_stream import LENGTH, TurnUsage
-from server.errors import APIError
-from server.generation import Generation
-from server.respond import CLIENT_CLOSED
+from server.openai.chat import ChatRun
+from server.openai.chat_stream import LENGTH, TurnUsage
+from server.core.errors import APIError
+from server.core.generation import Generation
+from server.openai.respond import CLIENT_CLOSED
 from server.responses.items import COMPLETED, INCOMPLETE, IN_PROGRESS, OutputItems, new_id
 from server.responses.protocol import CustomTool, FunctionTool, NamedTool, ResponsesRequest
 from server.responses.translate import Translation, generation_request
-from server.state import ServerState
-from server.streaming import sse_event
+from server.core.state import ServerState
+from server.core.streaming import sse_event
 
 ROUTE = "responses"
 FAILED = "failed"

@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import bad_request
-from server.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
+from server.core.errors import bad_request
+from server.openai.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
                              NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCall)
 from server.responses.custom_tools import CUSTOM_INPUT_KEY, custom_tool_definition
 from server.responses.protocol import (Content, CustomTool, CustomToolCallItem, CustomToolCallOutputItem,

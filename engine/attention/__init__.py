@@ -1,0 +1,1 @@
+"""The attention layer, its per-step metadata, and the backends behind `[flashdecoding]`."""

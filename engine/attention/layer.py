@@ -1,0 +1,163 @@
+"""The one attention layer every model calls, the per-step metadata, and the backends behind it.
+
+The model runner builds an `AttentionMetadata` once per step and installs it with
+`forward_context(...)`; every `Attention` layer then reads it, writes the step's new K/V into
+its pages (by `slot_mapping`) and attends. A decode-only step goes to the configured decode path
+(`DecodePath`); any step with prefill chunks goes through the paged prefill path.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from kernels.attention import reference
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs to know about its batch (vLLM vocabulary).
+
+    positions[T]        position of each new token in its sequence
+    slot_mapping[T]     cache slot (block * block_size + row) each new token's K/V goes to; -1 skips
+    query_start_loc[B+1] offsets of each sequence's new tokens in the flat token batch
+    seq_lens[B]         context length of each sequence after this step (cached + new tokens)
+    block_tables[B, M]  the pages of each sequence, padded with 0
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    is_decode_only: bool
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class RotaryFn(Protocol):
+    """A rotary embedding (`engine.model.layers.RotaryEmbedding`): rotate, or rotate and store k/v."""
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                         ) -> torch.Tensor: ...
+
+
+class DecodeFn(Protocol):
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                 layer_idx: int, counters: dict[str, float]) -> torch.Tensor: ...
+
+
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                     layer_idx: int, counters: dict[str, float]) -> torch.Tensor:
+    return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+
+
+@dataclass
+class AttentionBackend:
+    """The functions a step's attention runs: KV store, prefill over pages, decode.
+
+    `fuse_rope_store`: `store_kv` is the plain cache write, then `post_store` (if any), so the layer
+    may rotate k and store it with v in one launch (`RotaryFn.rotate_and_store`, on a GPU) instead
+    of two, and call `post_store(k_cache, slot_mapping)` after it (FFD: quantize the filled blocks).
+    """
+
+    name: str
+    decode: DecodeFn = reference_decode
+    store_kv: Callable[..., None] = reference.store_kv_ref
+    prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
+    fuse_rope_store: bool = False
+    post_store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    def decode_graph_widths(self, max_blocks: int) -> list[int]:
+        """Block-table widths (pages), ascending and ending at `max_blocks`, to capture a decode
+        graph for each: a backend whose host-side choice depends on the table width (FFD's "auto")
+        names the widths where that choice changes."""
+        return [max_blocks]
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+
+
+_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(metadata: AttentionMetadata, backend: AttentionBackend) -> Iterator[None]:
+    global _context
+    previous, _context = _context, ForwardContext(metadata, backend)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("Attention called outside forward_context(); the model runner sets it")
+    return _context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache (set by the model runner after allocation)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_idx: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryFn | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """q[T, Hq*D], k/v[T, Hkv*D] -> out[T, Hq*D]; with `rotary`, q and k are rotated at
+        `positions` first (fused with the KV store where the backend allows it)."""
+        ctx = get_forward_context()
+        meta = ctx.metadata
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not allocated for attention layer %d" % self.layer_idx)
+        num_tokens = q.shape[0]
+        if rotary is not None and positions is None:
+            raise ValueError("Attention: rotary needs positions")
+        if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
+            q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if ctx.backend.post_store is not None:
+                ctx.backend.post_store(self.k_cache, meta.slot_mapping)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            ctx.backend.store_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                                 self.k_cache, self.v_cache, meta.slot_mapping)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if meta.is_decode_only:
+            out = ctx.backend.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                     scale=self.scale, layer_idx=self.layer_idx, counters=meta.counters)
+        else:
+            out = ctx.backend.prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, scale=self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

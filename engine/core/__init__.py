@@ -1,0 +1,1 @@
+"""The engine loop: scheduler, block manager, step execution with fault isolation, outputs."""

@@ -1,0 +1,1 @@
+"""Model code: building-block layers, RoPE, the Llama family, loading and synthetic weights."""

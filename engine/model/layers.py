@@ -1,0 +1,413 @@
+"""Model building blocks: RMSNorm, rotary embedding, SiLU-and-mul, tensor-parallel linear layers.
+
+Tensor parallelism follows Megatron/vLLM: column-parallel layers split their output features
+across ranks, row-parallel layers split their input features and all-reduce the partial sums,
+the embedding and LM head split the vocabulary. Each parameter carries a `weight_loader` that
+copies this rank's slice of a full checkpoint tensor (or of one shard of a fused tensor), so
+`tensor_parallel_size > 1` only needs `get_tp_rank_and_size()` to return the process group's
+rank and size.
+
+Every linear product goes through `linear`, whose implementation `configure_matmul` picks once at
+startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-shape dispatcher of
+`kernels.gemm.dispatch` (GEMV / flat GEMM / cuBLAS for decode-sized M).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, overload
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.rope import cos_sin_tables
+from kernels import fused
+
+WeightLoader = Callable[..., None]
+logger = logging.getLogger(__name__)
+
+_matmul: Callable[..., torch.Tensor] = F.linear   # set by configure_matmul
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ (+ b) for every linear layer, through the implementation `configure_matmul` chose."""
+    return _matmul(x, weight, bias)
+
+
+def configure_matmul(fd: Any, device: torch.device, dtype: torch.dtype,
+                     shapes: dict[str, tuple[int, int]] | None = None, table_path: str | None = None) -> str:
+    """Choose what `linear` runs from `[flashdecoding]` (fd) and the device; log and return it.
+
+    F.linear unless enable, adaptive_matmul and a GPU all hold; then the dispatcher, which keeps
+    cuBLAS for M > 256 and for every shape its measured table (`fdserve tune`) does not cover.
+    `shapes` ({name: (K, N)}, see `linear_shapes`) only makes the log line specific.
+    """
+    global _matmul
+    if not fd.enable:
+        why = "[flashdecoding] enable = false"
+    elif not fd.adaptive_matmul:
+        why = "[flashdecoding] adaptive_matmul = false" + (" (double_buffer applies only to the adaptive "
+                                                           "kernels)" if fd.double_buffer else "")
+    elif device.type != "cuda":
+        why = f"the flat-GEMM/GEMV kernels need a GPU, this runs on {device.type}"
+    else:
+        from kernels.gemm.dispatch import AdaptiveMatmul
+
+        dispatcher = AdaptiveMatmul.from_file(torch.cuda.get_device_name(device), dtype,
+                                              double_buffer=fd.double_buffer, path=table_path)
+        _matmul = dispatcher
+        text = dispatcher.describe(shapes)
+        logger.log(logging.WARNING if dispatcher.problem else logging.INFO, "linear layers: %s", text)
+        return text
+    _matmul = F.linear
+    text = f"F.linear for every linear layer: {why}"
+    logger.info("linear layers: %s", text)
+    return text
+
+
+def get_tp_rank_and_size() -> tuple[int, int]:
+    """(rank, world size) of the tensor-parallel group; one process today."""
+    return 0, 1
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    _, tp_size = get_tp_rank_and_size()
+    if tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x)
+    return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    _, tp_size = get_tp_rank_and_size()
+    if tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(expected)}")
+
+
+def _check_and_copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    _check_shape(loaded, tuple(param.shape), name)
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    """For replicated parameters (norms): the whole tensor, shape checked."""
+    if shard_id is not None:
+        raise ValueError(f"replicated parameter got shard {shard_id!r}")
+    _check_and_copy(param, loaded_weight, "replicated parameter")
+
+
+def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None,
+               loader: WeightLoader) -> nn.Parameter:
+    # Left uninitialised: load_weights checks that every parameter receives checkpoint data.
+    param = nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype()),
+                         requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation, activation, rotary embedding
+# ---------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32; optionally adds a residual first."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param((hidden_size,), dtype, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast before scaling, as transformers does, so low-precision outputs match it bit for bit.
+        return self.weight * xf.to(x.dtype)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if x.is_cuda:   # one fused launch instead of ~8 small ones (kernels/fused.py)
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class SiluAndMul(nn.Module):
+    """x[..., 2I] (gate then up) -> silu(gate) * up, [..., I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, GPT-NeoX layout (rotate halves), as in HF Llama/Qwen.
+
+    The first `rotary_dim` features of each head rotate; cos/sin are precomputed in float32
+    for positions [0, max_position) and the rotation runs in float32.
+    Scalings (`scaling["rope_type"]`, None = plain RoPE): those of engine/model/rope.py.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        cos, sin = cos_sin_tables(base, rotary_dim, max_position, scaling)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x[T, H*D] -> same shape, first rotary_dim features of each head rotated."""
+        num_tokens = x.shape[0]
+        heads = x.view(num_tokens, -1, self.head_dim)
+        rot = heads[..., :self.rotary_dim].float()
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if self.rotary_dim < self.head_dim:
+            rotated = torch.cat((rotated, heads[..., self.rotary_dim:]), dim=-1)
+        return rotated.reshape(num_tokens, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions[T]; q[T, Hq*D], k[T, Hkv*D] -> rotated (q, k)."""
+        if q.is_cuda:
+            return fused.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
+                                          self.head_dim, self.rotary_dim)
+        cos = self.cos_cache[positions][:, None, :]
+        sin = self.sin_cache[positions][:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The rotated q; rotated k and v written into the paged caches at slot_mapping (GPU, one
+        launch: kernels/fused.py)."""
+        return fused.rotary_embedding_and_store(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
+                                                self.rotary_dim, k_cache, v_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel linear layers
+# ---------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks: this rank holds rows
+    [rank * out/tp, (rank+1) * out/tp). Output stays sharded unless `gather_output`."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_and_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = self._partition_size()
+        self.gather_output = gather_output
+        self.weight = _new_param((self.output_size_per_partition, input_size), dtype, self.weight_loader)
+        self.bias = (_new_param((self.output_size_per_partition,), dtype, self.weight_loader)
+                     if bias else None)
+
+    def _partition_size(self) -> int:
+        return divide(self.output_size, self.tp_size, "output size")
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        size = param.shape[0]
+        _check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]), type(self).__name__)
+        _check_and_copy(param, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight, self.bias)
+        return tensor_parallel_all_gather(out) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up_proj).
+
+    Checkpoint shard `i` (size `output_sizes[i]`) is split across ranks like a column-parallel
+    weight; this rank's slices sit back to back: [shard0/tp | shard1/tp | ...].
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias=bias, dtype=dtype)
+
+    def _partition_size(self) -> int:
+        return sum(divide(s, self.tp_size, "merged output size") for s in self.output_sizes)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs a shard index in "
+                             f"[0, {len(self.output_sizes)}), got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(s // self.tp_size for s in self.output_sizes[:shard_id])
+        _check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]), f"shard {shard_id}")
+        _check_and_copy(param.narrow(0, offset, size),
+                        loaded_weight.narrow(0, self.tp_rank * size, size), f"shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. Query heads split across ranks; KV heads split too, or,
+    when there are fewer KV heads than ranks, each KV head is replicated on tp/num_kv_heads
+    ranks. Layout of this rank's output: [q heads | k heads | v heads]."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        _, tp_size = get_tp_rank_and_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads, "tensor_parallel_size vs KV heads")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        # The size before splitting, counting replicated KV heads once per rank that holds them.
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, bias=bias, dtype=dtype)
+
+    def _shard_offset_and_size(self, shard_id: str) -> tuple[int, int, int]:
+        """(offset in this rank's param, rows per rank, index of this rank's slice in the checkpoint)."""
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            return 0, q_size, self.tp_rank
+        kv_index = self.tp_rank // self.num_kv_head_replicas
+        if shard_id == "k":
+            return q_size, kv_size, kv_index
+        if shard_id == "v":
+            return q_size + kv_size, kv_size, kv_index
+        raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        offset, size, index = self._shard_offset_and_size(shard_id)
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        _check_shape(loaded_weight, (total_heads * self.head_size, *param.shape[1:]), f"qkv shard {shard_id}")
+        _check_and_copy(param.narrow(0, offset, size), loaded_weight.narrow(0, index * size, size),
+                        f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
+    output of a column-parallel layer) and partial products are summed by an all-reduce.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_and_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self.reduce_results = reduce_results
+        self.weight = _new_param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
+        self.bias = _new_param((output_size,), dtype, default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
+        size = param.shape[1]
+        _check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
+        _check_and_copy(param, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight)
+        if self.reduce_results:
+            out = tensor_parallel_all_reduce(out)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows. The vocabulary is padded to a multiple of the
+    TP size; rank r owns ids [r * per_rank, (r+1) * per_rank). Ids outside this rank's range
+    embed to zero and the all-reduce fills them in from their owner."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_and_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), dtype, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        rows = max(0, self.vocab_end_index - self.vocab_start_index)
+        with torch.no_grad():
+            param[rows:].zero_()  # padding rows: their logits are cut off, their embeddings unused
+        _check_and_copy(param[:rows], loaded_weight.narrow(0, self.vocab_start_index, rows),
+                        type(self).__name__)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside[:, None], 0.0)
+        return tensor_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection hidden -> vocab, split by vocabulary like the embedding (and able
+    to share the embedding's weight when the model ties them)."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden[N, H] -> float32 logits[N, vocab]: local matmul, gather over ranks, drop padding."""
+        logits = tensor_parallel_all_gather(linear(hidden, self.weight))
+        return logits[:, :self.num_embeddings].float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is a projection; call compute_logits(hidden)")
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(K, N) of this rank's weight for each kind of linear layer in `model` (qkv_proj, o_proj,
+    gate_up_proj, down_proj, lm_head): the products a decode step runs."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            n, k = module.weight.shape
+            shapes.setdefault(name.rsplit(".", 1)[-1], (int(k), int(n)))
+    return shapes

@@ -1,0 +1,1 @@
+"""The data of one request: sampling parameters, sequences, outputs, request errors."""

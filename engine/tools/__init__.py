@@ -1,0 +1,1 @@
+"""Offline tools run from the CLI: `fdserve tune` and `fdserve calibrate`."""

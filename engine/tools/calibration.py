@@ -1,0 +1,121 @@
+"""`fdserve calibrate`: per-layer φ for FlashDecoding++ from the model's real softmax inputs.
+
+FD++ exponentiates every score against one unified max φ. A row is safe while its true max M
+satisfies LO <= (M - φ)·log2(e) <= HI (`kernels.attention.reference.safe_window`). We record, per layer,
+the row maxima of the scaled scores q·k·scale (every prefill query row and every decode row is
+one sample), and put φ in the middle of the window that the [p0.01 %, p99.99 %] range of those
+maxima must fit in. The file also says how many recorded rows would have fallen outside.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.attention.layer import Attention, AttentionBackend
+from kernels.attention import reference
+
+FORMAT_VERSION = 1
+LOW_Q, HIGH_Q = 1e-4, 1 - 1e-4
+
+
+class RowMaxRecorder:
+    """An attention backend (torch references) that also records every row's max score."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.samples: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def _record(self, layer_idx: int, row_max: torch.Tensor) -> None:
+        self.samples[layer_idx].append(row_max.detach().float().flatten().cpu())
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
+        scores, _ = reference.paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, 64)
+        self._record(layer_idx, scores.amax((-1, -2)))
+        return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+
+    def prefill_for(self, layer_idx_of: Callable[[], int]):
+        def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
+            starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+            heads, kv_heads = q.shape[1], k_cache.shape[2]
+            for b, ctx in enumerate(lens):
+                q_b = q[starts[b]:starts[b + 1]].float()
+                if q_b.shape[0] == 0:
+                    continue
+                k = reference.gather_kv_ref(k_cache, block_tables[b], ctx).float()
+                k = k.repeat_interleave(heads // kv_heads, dim=1)
+                scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
+                q_pos = torch.arange(ctx - q_b.shape[0], ctx, device=q.device)
+                visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+                self._record(layer_idx_of(), scores.masked_fill(~visible, float("-inf")).amax(-1))
+            return reference.prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens,
+                                                   query_start_loc, scale=scale)
+        return prefill
+
+
+def choose_phi(row_max: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, float]:
+    """φ (natural-log units) centring the window on the row maxima's [p0.01 %, p99.99 %] range."""
+    lo_win, hi_win = reference.safe_window(kv_dtype)
+    lo_q = float(torch.quantile(row_max, LOW_Q)) if row_max.numel() > 1 else float(row_max.min())
+    hi_q = float(torch.quantile(row_max, HIGH_Q)) if row_max.numel() > 1 else float(row_max.max())
+    phi = (lo_q + hi_q) / 2 - (lo_win + hi_win) / 2 / reference.LOG2E
+    excess = (row_max - phi) * reference.LOG2E
+    outside = int(((excess < lo_win) | (excess > hi_win)).sum())
+    return {"phi": phi, "rows": int(row_max.numel()), "min": float(row_max.min()), "p0.01": lo_q,
+            "median": float(row_max.median()), "p99.99": hi_q, "max": float(row_max.max()),
+            "rows_outside_window": outside,
+            "fits_window": (hi_q - lo_q) * reference.LOG2E <= hi_win - lo_win}
+
+
+def calibrate(model: torch.nn.Module, run_forward_fn: Callable[[AttentionBackend], None], *,
+              kv_dtype: torch.dtype = torch.bfloat16, output_path: str | Path | None = None,
+              model_name: str = "") -> dict[str, Any]:
+    """Record softmax-input statistics while `run_forward_fn(backend)` runs the calibration
+    prompts through `model` with `backend` installed (prefill and decode steps both count), and
+    return (and write, if `output_path`) the φ file that `fixed_max_value = true` reads.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise ValueError("the model has no engine.attention.layer.Attention layers to calibrate")
+    recorder = RowMaxRecorder(max(m.layer_idx for m in layers) + 1)
+    current = {"layer": 0}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: current.__setitem__("layer", mod.layer_idx))
+             for m in layers]
+    backend = AttentionBackend(name="calibration: torch reference + row-max recorder",
+                               decode=recorder.decode, store_kv=reference.store_kv_ref,
+                               prefill=recorder.prefill_for(lambda: current["layer"]))
+    try:
+        run_forward_fn(backend)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer = []
+    for idx, samples in enumerate(recorder.samples):
+        if not samples:
+            raise ValueError(f"layer {idx} saw no attention rows: run_forward_fn ran no tokens through it")
+        per_layer.append(choose_phi(torch.cat(samples), kv_dtype))
+    lo_win, hi_win = reference.safe_window(kv_dtype)
+    result = {
+        "version": FORMAT_VERSION, "model": model_name, "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "units": "scaled scores q·k·scale, natural log; the kernels work in log2 = ·log2(e)",
+        "window_log2": [lo_win, hi_win], "phi": [layer["phi"] for layer in per_layer], "layers": per_layer,
+    }
+    if output_path is not None:
+        Path(output_path).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def load_phi(path: str | Path) -> list[float]:
+    """The per-layer φ list of a calibration file; a malformed file is an error naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the φ calibration file {path}: {exc}") from exc
+    phi = data.get("phi") if isinstance(data, dict) else None
+    if not isinstance(phi, list) or data.get("version") != FORMAT_VERSION or not phi \
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in phi):
+        raise ValueError(f"{path} is not a version-{FORMAT_VERSION} φ calibration file with a finite "
+                         "'phi' list (re-run `fdserve calibrate`)")
+    return [float(x) for x in phi]

@@ -1,0 +1,1 @@
+"""One forward step on the device: model runner, CUDA graphs, sampler, device choice."""

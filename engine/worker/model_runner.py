@@ -1,0 +1,230 @@
+"""Turns a scheduled batch into one forward pass: metadata, KV cache, model call, logits.
+
+The KV cache is a K and a V tensor `[num_layers, pages, block_size, Hkv, D]` (FFD may keep fewer
+K pages than V pages: `key_cache_pages`), sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
+configured byte budget). Metadata is built once per step and shared by every layer. Decode
+steps replay a captured CUDA graph when `capture_decode_graphs` was called (engine/worker/cuda_graph.py);
+prefill and batches wider than the largest graph run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, forward_context
+from engine.worker.cuda_graph import DecodeGraphs
+from engine.request.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sampled_seqs: list[Sequence]  # the sequences those rows belong to
+    # (sequence, first prompt position predicted, rows lo, hi): prefill rows whose logits score the
+    # next prompt token (`Sequence.needs_prompt_logprobs`)
+    prompt_rows: list[tuple[Sequence, int, int, int]]
+
+
+@dataclass
+class PromptHidden:
+    """Final hidden states [n, hidden] of one sequence's prefill positions whose logits score prompt
+    tokens first .. first + n - 1 (the engine turns them into logits a slice at a time)."""
+
+    seq: Sequence
+    first: int
+    hidden: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
+                 backend: AttentionBackend) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = backend
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
+        self.spec = KVCacheSpec(len(self.attention_layers), first.num_kv_heads, first.head_dim, block_size, dtype)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
+        self.prompt_hidden: list[PromptHidden] = []   # the last `execute`'s, for prompt logprobs
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        per_block, fixed = self.spec.bytes_per_block, 0
+        # --- FFD (issue 5): quantized keys per page; exact K pages per page or as a fixed pool ---
+        if hasattr(self.backend, "plan_cache"):
+            per_block, fixed = self.backend.plan_cache(self.spec, budget_bytes)
+        # --- end FFD ---
+        return max(0, (budget_bytes - fixed) // per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.spec
+        key_pages = num_blocks
+        if hasattr(self.backend, "key_cache_pages"):    # FFD: a pool of exact K pages
+            key_pages = self.backend.key_cache_pages(num_blocks)
+        shape = (s.block_size, s.num_kv_heads, s.head_dim)
+        self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.dtype, device=self.device)
+        self.v_cache = torch.zeros(s.num_layers, num_blocks, *shape, dtype=s.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.k_cache[i]
+            layer.v_cache = self.v_cache[i]
+        self.num_blocks = num_blocks
+        # --- FFD (issue 5): quantized keys beside the KV cache, indexed by the same page ids ---
+        if hasattr(self.backend, "allocate_cache"):
+            self.backend.allocate_cache(self.k_cache, self.v_cache)
+        # --- end FFD ---
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, num_tokens: int) -> int:
+        """Peak activation bytes of one dummy prefill of `num_tokens` (0 on CPU).
+
+        Measured above what is allocated before the forward (weights, the small profiling cache),
+        so only what a full step adds on top is counted."""
+        self.allocate_kv_cache(max(1, -(-num_tokens // self.block_size)))
+        seq = Sequence("profile", [0] * num_tokens, _dummy_params())
+        seq.block_table = list(range(self.num_blocks))
+        seq.num_scheduled_tokens = num_tokens
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        self.execute([seq])
+        peak = torch.cuda.max_memory_allocated(self.device) - base if on_gpu else 0
+        self.k_cache = self.v_cache = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        if on_gpu:
+            torch.cuda.empty_cache()  # so that mem_get_info sees the profiling memory as free again
+        return peak
+
+    def capture_decode_graphs(self, max_batch: int, max_context_len: int) -> None:
+        """Capture decode steps of up to `max_batch` sequences of up to `max_context_len` tokens."""
+        if self.v_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runs on {self.device}")
+        max_blocks = -(-max_context_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.backend, self.device, max_batch, max_blocks)
+        self.graphs.capture()
+
+    def prepare(self, seqs: list[Sequence]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
+        bs = self.block_size
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            end = start + seq.num_scheduled_tokens
+            if seq.needs_prompt_logprobs:
+                scored = min(end, seq.num_prompt_tokens - 1) - start   # positions whose next token is prompt
+                if scored > 0:
+                    prompt_rows.append((seq, start + 1, len(input_ids), len(input_ids) + scored))
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            if end == len(seq):  # the prompt is complete: this step yields a new token
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(seq)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        # One tensor from padded lists: a per-row tensor and copy costs more than the row itself.
+        block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
+                                    dtype=torch.int32)
+        dev = self.device
+        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        metadata = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(query_lens),
+            is_decode_only=all(n == 1 for n in query_lens),
+        )
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), metadata,
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled, prompt_rows)
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
+        """Forward the scheduled tokens; float32 logits for the sequences that sample this step.
+
+        `input_ids` (device, one per sequence, decode steps only) replaces the token ids read from
+        the sequences: the tokens the previous step sampled, not yet copied to the host.
+        """
+        decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
+        if input_ids is not None and (not decode or input_ids.shape != (len(seqs),)):
+            raise ValueError("input_ids replaces one token per sequence of a decode step")
+        if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
+            self.backend.begin_step(seqs)
+        self.prompt_hidden = []
+        if self.graphs is not None and decode and not any(   # a row that scores a prompt token runs eagerly
+                seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens for seq in seqs):
+            replayed = self._replay(seqs, input_ids)
+            if replayed is not None:
+                return replayed
+        step = self.prepare(seqs)
+        if input_ids is not None:
+            step.input_ids = input_ids.to(self.device)
+        with forward_context(step.metadata, self.backend):
+            hidden = self.model(step.input_ids, step.metadata.positions)
+        self.prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
+        if not step.sampled_seqs:
+            return torch.empty(0), [], step.metadata.counters
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        return logits.float(), step.sampled_seqs, step.metadata.counters
+
+    def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None
+                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]] | None:
+        """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""
+        assert self.graphs is not None
+        width = max(len(seq.block_table) for seq in seqs)
+        key = self.graphs.bucket_for(len(seqs), width)
+        if key is None:
+            return None
+        self.graphs.stage(seqs, self.block_size)
+        logits, counters = self.graphs.run(len(seqs), width, key, input_ids)
+        self.num_graph_steps += 1
+        # A one-token prefill chunk that does not end its prompt forwards but does not sample.
+        rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == len(seq)]
+        if len(rows) < len(seqs):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return logits, [seqs[i] for i in rows], counters
+
+
+def _dummy_params():
+    from engine.request.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=1)

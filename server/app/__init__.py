@@ -1,0 +1,1 @@
+"""The FastAPI application: routers of every protocol, API keys, body limits."""

@@ -1,0 +1,1 @@
+"""The `fdserve` command line and the client settings it prints."""

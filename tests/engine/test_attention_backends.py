@@ -1,0 +1,159 @@
+"""`[flashdecoding]` -> backend: each switch picks exactly one algorithm, on CPU its reference."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention, AttentionMetadata, forward_context
+from engine.attention.dense import make_attention_backend
+from engine.tools.calibration import calibrate, load_phi
+from engine.config import FlashDecodingConfig
+from kernels import decode_reference
+from kernels.attention.reference import decode_attention_ref
+
+CPU = torch.device("cpu")
+
+
+def decode_inputs(seed=0, lens=(300, 45, 129), heads=4, kv_heads=2, dim=16, page=16):
+    gen = torch.Generator().manual_seed(seed)
+    pages = [(n + page - 1) // page for n in lens]
+    k = torch.randn(sum(pages) + 1, page, kv_heads, dim, generator=gen)
+    v = torch.randn(k.shape, generator=gen)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    start = 1
+    for b, n in enumerate(pages):
+        tables[b, :n] = torch.arange(start, start + n, dtype=torch.int32).flip(0)
+        start += n
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def run_decode(backend, inputs, layer_idx=0, counters=None):
+    return backend.decode(*inputs, scale=0.25, layer_idx=layer_idx,
+                          counters={} if counters is None else counters)
+
+
+@pytest.mark.parametrize("settings, title", [
+    ({"enable": False}, "standard attention"),
+    ({"kernel": "flash"}, "Flash-Decoding split-KV"),
+    ({"async_softmax": True}, "FlashDecoding++ async softmax"),
+    ({"async_softmax": True, "fixed_max_value": 3.5}, "φ forced to 3.5"),
+])
+def test_each_setting_names_and_runs_its_algorithm(settings, title):
+    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu")
+    assert title in backend.name and "torch reference" in backend.name
+    inputs = decode_inputs()
+    out = run_decode(backend, inputs)
+    assert torch.allclose(out, decode_attention_ref(*inputs, scale=0.25), atol=1e-5)
+
+
+def test_flash_on_cpu_really_splits():
+    backend = make_attention_backend(FlashDecodingConfig(num_splits=4), CPU, "cpu")
+    inputs = decode_inputs()
+    out = run_decode(backend, inputs)
+    expected = decode_reference(*inputs, scale=0.25, variant="flash", num_splits=4)
+    assert torch.equal(out, expected) and "splits=4" in backend.name
+
+
+def test_fdpp_overflow_is_counted_and_fallback_is_exact():
+    inputs = decode_inputs()
+    exact = decode_attention_ref(*inputs, scale=0.25)
+    for fallback in (True, False):
+        fd = FlashDecodingConfig(async_softmax=True, fixed_max_value=-500.0, fallback_on_overflow=fallback)
+        backend = make_attention_backend(fd, CPU, "cpu")
+        counters: dict[str, float] = {}
+        out = run_decode(backend, inputs, counters=counters)
+        assert counters == {"fdpp_rows_checked": 12.0, "fdpp_fallback_rows": 12.0}
+        run_decode(backend, inputs, layer_idx=1, counters=counters)     # counts add up over layers
+        assert counters == {"fdpp_rows_checked": 24.0, "fdpp_fallback_rows": 24.0}
+        assert torch.allclose(out, exact, atol=1e-5) == fallback
+
+
+def test_calibrated_phi_per_layer(tmp_path):
+    path = tmp_path / "phi.json"
+    path.write_text(json.dumps({"version": 1, "phi": [1.0, -400.0]}))
+    fd = FlashDecodingConfig(async_softmax=True, fixed_max_value=True, calibration_file=str(path))
+    backend = make_attention_backend(fd, CPU, "cpu")
+    counters: dict[str, float] = {}
+    run_decode(backend, decode_inputs(), layer_idx=0, counters=counters)
+    assert counters["fdpp_fallback_rows"] == 0
+    run_decode(backend, decode_inputs(), layer_idx=1, counters=counters)   # φ = -400: every row flags
+    assert counters["fdpp_fallback_rows"] == 12
+    with pytest.raises(ValueError, match="layer 2"):
+        run_decode(backend, decode_inputs(), layer_idx=2)
+
+
+def test_fixed_phi_without_calibration_file_is_a_startup_error():
+    fd = FlashDecodingConfig(async_softmax=True, fixed_max_value=True)
+    with pytest.raises(ValueError, match="calibration_file"):
+        make_attention_backend(fd, CPU, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_vendor_contradicting_hardware_is_an_error():
+    with pytest.raises(ValueError, match="contradicts the hardware"):
+        make_attention_backend(FlashDecodingConfig(), CPU, "nvidia")
+
+
+def test_bad_calibration_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"version": 1, "phi": ["x"]}))
+    with pytest.raises(ValueError, match="calibration file"):
+        load_phi(path)
+
+
+class TwoLayerAttention(nn.Module):
+    """Just the attention layers of a 2-layer model: enough for the calibration plumbing."""
+
+    def __init__(self, heads=4, kv_heads=2, dim=16):
+        super().__init__()
+        self.layers = nn.ModuleList(Attention(heads, kv_heads, dim, dim ** -0.5, i) for i in range(2))
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x, x[:, :self.kv_heads * self.dim], x[:, -self.kv_heads * self.dim:])
+        return x
+
+
+def test_calibrate_writes_a_loadable_phi_file(tmp_path):
+    model = TwoLayerAttention()
+    for layer in model.layers:
+        layer.k_cache = torch.zeros(8, 16, 2, 16)
+        layer.v_cache = torch.zeros(8, 16, 2, 16)
+
+    def run_forward(backend):
+        gen = torch.Generator().manual_seed(0)
+        prompt = 40   # one prefill chunk of 40 tokens, then one decode step
+        tables = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+        steps = [(torch.arange(prompt), prompt, False), (torch.tensor([prompt]), prompt + 1, True)]
+        for positions, context, is_decode in steps:
+            meta = AttentionMetadata(positions=positions, slot_mapping=positions.clone(),
+                                     query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
+                                     seq_lens=torch.tensor([context], dtype=torch.int32), block_tables=tables,
+                                     max_query_len=len(positions), is_decode_only=is_decode)
+            with forward_context(meta, backend):
+                model(torch.randn(len(positions), 4 * 16, generator=gen))
+
+    path = tmp_path / "phi.json"
+    result = calibrate(model, run_forward, kv_dtype=torch.bfloat16, output_path=path, model_name="tiny")
+    assert [layer["rows"] for layer in result["layers"]] == [4 * 41, 4 * 41]
+    assert all(layer["fits_window"] and layer["rows_outside_window"] == 0 for layer in result["layers"])
+    assert load_phi(path) == result["phi"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_fdpp_counts_on_the_device():
+    fd = FlashDecodingConfig(async_softmax=True, fixed_max_value=-500.0)
+    backend = make_attention_backend(fd, torch.device("cuda"), "auto")
+    assert backend.name.startswith("triton[")
+    inputs = [t.cuda() for t in decode_inputs()]
+    counters: dict[str, float] = {}
+    out = run_decode(backend, inputs, counters=counters)
+    assert int(counters["fdpp_fallback_rows"]) == 12 and counters["fdpp_rows_checked"] == 12
+    ref = decode_attention_ref(*inputs, scale=0.25)
+    assert float((out - ref).norm() / ref.norm()) < 5e-3
