@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,6 +20,8 @@ import torch
 from torch import nn
 
 from engine.config import RopeScaling
+from engine.model.cache_dir import cache_root
+from engine.model.synthetic import build_synthetic_model, synthetic_marker, synthetic_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,6 @@ def resolve_model_dir(name: str | None) -> Path:
     if not name or name in EMBEDDED_DEFAULT_ALIASES:
         return convert_gguf(embedded_default_gguf())
     if name.startswith("synthetic:"):  # random weights of a real shape, for benchmarks
-        from engine.model.synthetic import synthetic_model_dir
         return synthetic_model_dir(name)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -133,10 +133,6 @@ def resolve_model_dir(name: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------
 # GGUF -> HF folder
 # ---------------------------------------------------------------------------------------------
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FDSERVE_CACHE_DIR") or Path.home() / ".cache" / "fdserve").expanduser()
-
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """`<cache>/<stem>-<hash>`: the hash covers size and mtime, so a replaced file reconverts."""
@@ -314,7 +310,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
 
     from engine.model.registry import get_model_class
     from engine.model.rope import apply_rope_scaling
-    from engine.model.synthetic import build_synthetic_model, synthetic_marker
 
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     if rope_scaling is not None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model.cache_dir import cache_root
+
 SYNTHETIC_PREFIX = "synthetic:"
 MARKER_FILE = "synthetic.json"
 # Bump when the folder contents change, so stale caches are rebuilt.
@@ -75,12 +77,6 @@ def _preset(name: str) -> tuple[str, int]:
     return preset, int(seed or 0)
 
 
-def _cache_root() -> Path:
-    from engine.model.loader import cache_root  # lazy: the loader imports this module
-
-    return cache_root()
-
-
 def synthetic_model_dir(name: str) -> Path:
     """The folder for `synthetic:<preset>[@seed]`, written once under the fdserve cache.
 
@@ -90,7 +86,7 @@ def synthetic_model_dir(name: str) -> Path:
     preset, seed = _preset(name)
     fields = PRESETS[preset]
     key = json.dumps([fields, seed, SYNTHETIC_VERSION], sort_keys=True)
-    target = _cache_root() / f"synthetic-{preset}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    target = cache_root() / f"synthetic-{preset}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / MARKER_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

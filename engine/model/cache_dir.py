@@ -1,0 +1,10 @@
+"""Where fdserve keeps what it derives from models (GGUF conversions, synthetic model folders)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """`$FDSERVE_CACHE_DIR`, default `~/.cache/fdserve`."""
+    return Path(os.environ.get("FDSERVE_CACHE_DIR") or Path.home() / ".cache" / "fdserve").expanduser()
