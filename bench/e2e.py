@@ -1,4 +1,4 @@
-"""`fdserve bench`: the seed's question "how much faster did it get", answered end to end.
+"""`fdserve bench`: how much faster each attention variant makes generation, measured end to end.
 
     latency      one long request, not streamed: per-token decode latency
                  ((total - TTFT) / (tokens - 1)), TTFT and total, per attention variant
@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.decode_budget import decode_warnings
+
 # [flashdecoding] keys per variant; everything else comes from the config and --set.
 VARIANTS: dict[str, dict[str, Any]] = {
     "standard": {"flashdecoding.enable": False},
@@ -38,8 +40,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "auto": {"flashdecoding.enable": True, "flashdecoding.kernel": "auto"},
 }
 BASELINE = "standard"
-# Below this many generated tokens the decode phase is too short to time (the seed: >= 512).
-MIN_DECODE_TOKENS = 16
 # What an engine raises for a setting it cannot run here (a ConfigError is a ValueError).
 UNAVAILABLE_ERRORS = (ValueError, NotImplementedError, ImportError)
 
@@ -234,14 +234,6 @@ def add_ratios(rows: list[dict[str, Any]], mode: str) -> None:
             row["speedup_vs_standard"] = (base["tpot_ms"] / row["tpot_ms"]) if row["tpot_ms"] else None
         else:
             row["speedup_vs_standard"] = row["tok_s"] / base["tok_s"]
-
-
-def decode_warnings(max_tokens: int) -> list[str]:
-    if max_tokens >= MIN_DECODE_TOKENS:
-        return []
-    return [f"max_tokens={max_tokens} is below {MIN_DECODE_TOKENS}: too few decode steps to measure "
-            f"per-token latency (the numbers are mostly prefill); use --max-tokens {MIN_DECODE_TOKENS} or more "
-            f"(the seed uses 512)"]
 
 
 def _cpu_name() -> str:

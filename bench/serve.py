@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from bench.decode_budget import decode_warnings
+
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
          "night point home water room mother area money story fact month lot right study book eye job word "
@@ -178,8 +180,6 @@ async def run_level(client: Any, model: str, concurrency: int, rounds: int, num_
 async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
-
-    from bench.e2e import decode_warnings
 
     warnings = decode_warnings(args.max_tokens)
     for text in warnings:
