@@ -4,12 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ConfigError
-
-
-def detect_vendor() -> str:
-    if torch.cuda.is_available():
-        return "amd" if getattr(torch.version, "hip", None) else "nvidia"
-    return "cpu"
+from kernels.vendor import detect_vendor
 
 
 def select_device(gpu_vendor: str) -> tuple[torch.device, str]:
