@@ -274,26 +274,11 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----- config, table, CLI -------------------------------------------------------------------
 
-def _toml_value(text: str) -> Any:
-    """`--set` values are TOML (`true`, `8`, `"x"`); anything else is taken as a string."""
-    from engine.config import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def base_config(args: argparse.Namespace) -> Any:
     """--config (else $FDSERVE_CONFIG or ./config.toml, as `fdserve serve`), then --set, --model."""
-    from engine.config import ConfigError, find_default_config, load_config
+    from engine.config import find_default_config, load_config, parse_overrides
 
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides[key.strip()] = _toml_value(value.strip())
+    overrides = parse_overrides(args.set)
     if args.model:
         overrides["model.name"] = args.model
     return load_config(args.config or find_default_config(), overrides)

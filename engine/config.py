@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -205,6 +205,25 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"{dotted}: {part} is not a section")
     node[parts[-1]] = value
+
+
+def _toml_value(text: str) -> Any:
+    """`--set` values are TOML (`true`, `8`, `"x"`); anything else is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`--set SECTION.KEY=VALUE` items as dotted overrides for `load_config`."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        overrides[key.strip()] = _toml_value(value.strip())
+    return overrides
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from engine.config import ConfigError, FdserveConfig, find_default_config, load_config
+from engine.config import ConfigError, FdserveConfig, find_default_config, load_config, parse_overrides
 from server import __version__
 
 Run = Callable[[argparse.Namespace], int]
@@ -69,22 +69,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                              "values are read as TOML, else as a string)")
 
 
-def _toml_value(text: str) -> Any:
-    from engine.config import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def config_from_args(args: argparse.Namespace) -> FdserveConfig:
-    overrides: dict[str, Any] = {}
-    for item in getattr(args, "set", []) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides[key.strip()] = _toml_value(value.strip())
+    overrides = parse_overrides(getattr(args, "set", []) or [])
     for flag, key in _FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:
