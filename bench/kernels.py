@@ -108,8 +108,8 @@ class Timer:
     flush="clean": read a 256 MB buffer first, so L2 holds only clean, unrelated lines (as in
     a real step, where the weights of the previous GEMM sit in L2). flush="dirty": triton's
     do_bench, which zeroes 256 MB first, so ~50 MB of dirty lines must be written back to HBM
-    while the timed kernel reads: every kernel pays ~10 µs of extra traffic (the anchors in
-    DESIGN.md were measured this way).
+    while the timed kernel reads: every kernel pays ~10 µs of extra traffic (the reference anchors
+    in bench/RESULTS.md were measured this way).
     """
 
     def __init__(self) -> None:
@@ -181,7 +181,7 @@ def kv_bytes(batch: int, length: int) -> int:
 
 def run_bench(timer, seed: int, copy_bw: float, cfg: DecodeConfig, pages=(16, 64)) -> list[dict]:
     """Every variant at both page sizes with a clean cold L2; SDPA, flash and fdpp (page 16)
-    also with do_bench's dirty flush, the method of DESIGN.md's anchors."""
+    also with do_bench's dirty flush, the method of the reference anchors in bench/RESULTS.md."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     for batch in (1, 8, 32):
