@@ -260,8 +260,7 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
     p = params()
     s = sparsity(case, p)
     row = {"data": label, "B": len(case.lens), "L": case.lens[0], "sparsity": s}
-    # FFD and flash twice each, interleaved, the faster of each kept and both recorded: one timing of the
-    # run's first shape once read 4 % slower than the same kernels side by side in another process
+    # FFD and flash twice each, interleaved, the faster of each kept and both recorded: one timing can read slow.
     rounds = {"ffd": [], "flash": []}
     for _ in range(ROUNDS):
         rounds["ffd"].append(timer(lambda: ffd(case, p)))

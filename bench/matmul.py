@@ -8,8 +8,8 @@ down 14336→4096, lm_head 4096→128256) at M = 1..16, 32, 64, 128, 256:
 2. CUDA-graph timing (engine.tools.tune.GraphTimer: many calls per graph cycling through weight copies
    that exceed 3× the L2, so W always comes from HBM), median of replays, and the fraction of the
    weight-read floor (weight + x + y bytes at the copy bandwidth measured in the same run). The
-   variants of one (shape, M) are timed in ROUNDS interleaved rounds and each keeps its median:
-   two timings of the same cuBLAS call taken seconds apart differed by up to 9 % on the H200.
+   variants of one (shape, M) are timed in ROUNDS interleaved rounds and each keeps its median,
+   because timings of the same call drift between runs taken seconds apart.
 Variants: cublas, flat and gemv (M ≤ 8) with their default configs, adaptive (the table at --table,
 else the one the server reads for this GPU; with neither, the five shapes are tuned first, and it
 says so). Writes DIR/matmul.json; prints the table and the goal checks last.

@@ -47,9 +47,7 @@ def interpreting() -> bool:
 class DecodeConfig:
     """Launch shape of the paged decode kernels (standard, flash and fdpp share it)."""
 
-    # Defaults from the H200 sweeps in bench/RESULTS.md: 128-token tiles with Triton's pipeliner
-    # beat 32/64-token tiles and the manual register prefetch at every batch size; one-tile splits
-    # (min_chunk 128, up to 128 of them) cut B=1 latency at 1K-4K and cost nothing at long L.
+    # Defaults chosen by the H200 launch-config sweeps in bench/RESULTS.md.
     block_n: int = 128         # KV tokens per tile
     num_warps: int = 4
     num_stages: int = 3        # Triton software-pipeline depth of the KV loop

@@ -91,9 +91,7 @@ class ServerState:
         self.phase = "ready"
         self._watch(engine)
         self.log_ready(time.monotonic() - started)
-        # Park this thread instead of letting it end: measured on CPU, once the thread that
-        # loaded the model (and ran torch's first parallel regions) has exited, the engine's
-        # step thread runs 20-50x slower (17-38 tok/s instead of ~850 on a tiny model).
+        # Park this thread: once the thread that loaded the model exits, the CPU step thread runs 20-50x slower.
         self._release_loader.wait()
 
     def log_ready(self, load_seconds: float | None = None) -> None:
