@@ -201,6 +201,7 @@ class LLMEngine:
 
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; the reports of the requests it advanced or ended."""
         if self.in_flight is not None:
             return self._step_in_flight()
         out = self.scheduler.schedule()
