@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Literal
 
 from engine.config import FdserveConfig
 from engine.request.errors import EngineDead, EngineOverloaded, RequestTimedOut
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 # (reason label, message): called once, from the engine thread, when the loop stops on a failure
 FailureListener = Callable[[str, str], None]
+# What the loop's inbox carries: a request to add (its future settles once it is added or refused), an abort.
+_Add = tuple[Literal["add"], str, list[int], SamplingParams, "asyncio.Future[None]"]
+_Abort = tuple[Literal["abort"], str]
+_Message = _Add | _Abort
 
 STATS_PERIOD_S = 0.05  # /metrics reads a snapshot at most this old while busy; idle refreshes it at once
 
@@ -37,7 +41,7 @@ STATS_PERIOD_S = 0.05  # /metrics reads a snapshot at most this old while busy; 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[RequestOutput | BaseException]
 
 
 class AsyncEngine:
@@ -49,7 +53,7 @@ class AsyncEngine:
         self.max_context_len = self.engine.max_context_len
         self.max_new_tokens = self.engine.max_new_tokens
         self.attention_path = self.engine.backend.name
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -105,7 +109,7 @@ class AsyncEngine:
         params.validate()
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        added: asyncio.Future = loop.create_future()
+        added: asyncio.Future[None] = loop.create_future()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -143,7 +147,7 @@ class AsyncEngine:
         return self._stats
 
     # ----- the loop thread -------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
@@ -202,7 +206,7 @@ class AsyncEngine:
             listener(reason, message)
 
 
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+def _resolve(future: asyncio.Future[None], exc: BaseException | None) -> None:
     def settle() -> None:
         if future.done():
             return

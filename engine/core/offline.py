@@ -4,11 +4,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Sequence as Seq, cast
 
 from engine.config import FdserveConfig, ConfigError, load_config
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import TokenLogprob
 
 
 @dataclass
@@ -17,7 +18,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -27,7 +28,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs: per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with SamplingParams.prompt_logprobs: per prompt token, None first
 
     @property
     def text(self) -> str:
@@ -75,22 +76,28 @@ class LLM:
     def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
                  params: SamplingParams | None = None) -> list[GenerationResult]:
         params = params or SamplingParams()
+        batch: Seq[str | Seq[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            batch = [cast("str | Seq[int]", prompts)]   # one prompt
+        else:
+            batch = cast("Seq[str | Seq[int]]", prompts)
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_lists, params)
 
-    def chat(self, messages_list: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> list[GenerationResult]:
+    def chat(self, messages_list: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None) -> list[GenerationResult]:
+        conversations: list[list[dict[str, Any]]]
         if messages_list and isinstance(messages_list[0], dict):
-            messages_list = [messages_list]  # type: ignore[list-item]
+            conversations = [messages_list]   # one conversation
+        else:
+            conversations = cast("list[list[dict[str, Any]]]", messages_list)
         token_lists = [self.tokenizer.encode(self.tokenizer.apply_chat_template(m, tools=tools))
-                       for m in messages_list]
+                       for m in conversations]
         return self._run(token_lists, params or SamplingParams())
 
     def _run(self, token_lists: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
         results: dict[str, GenerationResult] = {}
-        order = []
+        order: list[str] = []
         for tokens in token_lists:
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, tokens, _copy(params))

@@ -1,10 +1,13 @@
-"""Continuous batching: one token budget per step, decodes first, then prefill chunks.
+"""The scheduler owns every scheduling decision: which sequences run in a step, how many tokens
+each, their KV slots, admission and preemption.
 
-Running sequences (decoding, or mid-way through a chunked prefill) are served first, oldest
-first; waiting sequences are admitted while the budget, `max_num_seqs` and free blocks allow.
-When blocks run out, the newest running sequence is preempted by recompute: its blocks are
-freed and it goes back to the front of the queue with all its tokens, to be prefilled again.
-Nothing is dropped.
+Continuous batching: one token budget per step, decodes first, then prefill chunks. Running
+sequences (decoding, or mid-way through a chunked prefill) are served first, oldest first;
+waiting sequences are admitted while the budget, `max_num_seqs` and free blocks allow. When
+blocks run out, the newest running sequence is preempted by recompute: its blocks are freed and
+it goes back to the front of the queue with all its tokens, to be prefilled again. Nothing is
+dropped. With asynchronous scheduling, `schedule_decode_continuation` schedules the decode step
+that follows one still in flight.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_admit(self) -> bool:
+        """A waiting sequence could join the running batch now (so the next step should be scheduled
+        by `schedule`, not continued ahead)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -84,6 +92,19 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def schedule_decode_continuation(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """Schedule one more decode token for each of `seqs` (running sequences whose previous token
+        is still in flight): `seqs`, each with a KV slot allocated and `num_scheduled_tokens` = 1;
+        or None, allocating nothing, when there are none, a waiting sequence could be admitted
+        instead, or the free blocks do not cover them all (no preemption: `schedule` decides that)."""
+        bm = self.block_manager
+        if not seqs or self.can_admit() or sum(bm.blocks_needed(seq, 1) for seq in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.allocate_slots(seq, 1)
+            seq.num_scheduled_tokens = 1
+        return seqs
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence wherever it is."""

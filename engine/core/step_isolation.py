@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from engine.core.faults import STAGE_FORWARD, STAGE_SAMPLING, describe, raise_if_unrecoverable
-from engine.worker.model_runner import ModelRunner, PromptHidden
+from engine.worker.model_runner import ExecuteResult, ModelRunner
 from engine.worker.sampler import Sampler, SampleResult
 from engine.request.sequence import Sequence
 
@@ -32,10 +32,7 @@ class ForwardPart:
     """One successful forward over `seqs`: what ModelRunner.execute returned for them."""
 
     seqs: list[Sequence]
-    logits: torch.Tensor
-    sampled: list[Sequence]
-    counters: dict[str, float]
-    prompt_hidden: list[PromptHidden]
+    result: ExecuteResult
 
 
 class StepIsolation:
@@ -66,8 +63,7 @@ class StepIsolation:
         return self.forward(rest[:mid]) + self.forward(rest[mid:])
 
     def _forward(self, seqs: list[Sequence]) -> ForwardPart:
-        logits, sampled, counters = self.runner.execute(seqs)
-        return ForwardPart(seqs, logits, sampled, counters, list(self.runner.prompt_hidden))
+        return ForwardPart(seqs, self.runner.execute(seqs))
 
     def _probe_forward(self, seqs: list[Sequence]) -> None:
         self.runner.execute(seqs)

@@ -36,6 +36,9 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; `num_cached_tokens`
     those that came from the prefix cache at admission (for usage reporting).
+    `num_in_flight_tokens` counts tokens a step still running has sampled on the device (asynchronous
+    scheduling, engine/core/inflight.py): they are not in `token_ids` yet, but every length
+    (`len`, `num_output_tokens`, `num_uncomputed_tokens`) counts them.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -60,17 +63,19 @@ class Sequence:
         self.arrival_time = arrival_time
         self.num_preemptions = 0
         self.max_total_tokens: int | None = None  # context cap set by the engine
+        self.num_in_flight_tokens = 0
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_in_flight_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The output tokens on the host (those in flight are not known yet)."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -83,11 +88,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
     def finish(self, reason: FinishReason) -> None:
+        """End the sequence; a token still in flight is dropped (its row is skipped when read)."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        self.num_in_flight_tokens = 0

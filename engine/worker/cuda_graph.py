@@ -166,7 +166,7 @@ class _Staging:
         for i, seq in enumerate(seqs):
             pos = seq.num_computed_tokens
             table = seq.block_table
-            host[0, i] = seq.token_ids[pos]
+            host[0, i] = seq.token_ids[pos] if pos < len(seq.token_ids) else 0   # in flight: `run` copies it
             host[1, i] = pos
             host[2, i] = table[pos // block_size] * block_size + pos % block_size
             owner = (seq.seq_id, seq.num_preemptions)   # a preempted sequence gets new pages

@@ -56,6 +56,16 @@ class PromptHidden:
     hidden: torch.Tensor
 
 
+@dataclass
+class ExecuteResult:
+    """What one `ModelRunner.execute` forward produced."""
+
+    logits: torch.Tensor               # float32 [len(sampled_seqs), V]
+    sampled_seqs: list[Sequence]       # the sequences whose prompt is complete: row i is sampled_seqs[i]'s
+    counters: dict[str, float]         # attention counters of the step
+    prompt_hidden: list[PromptHidden]  # for prompt logprobs (`Sequence.needs_prompt_logprobs`)
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
                  backend: AttentionBackend) -> None:
@@ -72,7 +82,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
-        self.prompt_hidden: list[PromptHidden] = []   # the last `execute`'s, for prompt logprobs
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         per_block, fixed = self.spec.bytes_per_block, 0
@@ -150,7 +159,8 @@ class ModelRunner:
                 scored = min(end, seq.num_prompt_tokens - 1) - start   # positions whose next token is prompt
                 if scored > 0:
                     prompt_rows.append((seq, start + 1, len(input_ids), len(input_ids) + scored))
-            input_ids.extend(seq.token_ids[start:end])
+            host_ids = seq.token_ids[start:end]
+            input_ids.extend(host_ids + [0] * (end - start - len(host_ids)))   # in flight: `execute` has them
             positions.extend(range(start, end))
             table = seq.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -178,19 +188,20 @@ class ModelRunner:
                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled, prompt_rows)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]]:
+    def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> ExecuteResult:
         """Forward the scheduled tokens; float32 logits for the sequences that sample this step.
 
         `input_ids` (device, one per sequence, decode steps only) replaces the token ids read from
-        the sequences: the tokens the previous step sampled, not yet copied to the host.
+        the sequences: the tokens the previous step sampled, not yet copied to the host (a
+        sequence's `num_in_flight_tokens`).
         """
         decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
         if input_ids is not None and (not decode or input_ids.shape != (len(seqs),)):
             raise ValueError("input_ids replaces one token per sequence of a decode step")
+        if input_ids is None and any(seq.num_in_flight_tokens for seq in seqs):
+            raise ValueError("a token still in flight is not on the host: pass the step's input_ids")
         if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
             self.backend.begin_step(seqs)
-        self.prompt_hidden = []
         if self.graphs is not None and decode and not any(   # a row that scores a prompt token runs eagerly
                 seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens for seq in seqs):
             replayed = self._replay(seqs, input_ids)
@@ -201,14 +212,13 @@ class ModelRunner:
             step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):
             hidden = self.model(step.input_ids, step.metadata.positions)
-        self.prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
+        prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
         if not step.sampled_seqs:
-            return torch.empty(0), [], step.metadata.counters
+            return ExecuteResult(torch.empty(0), [], step.metadata.counters, prompt_hidden)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        return logits.float(), step.sampled_seqs, step.metadata.counters
+        return ExecuteResult(logits.float(), step.sampled_seqs, step.metadata.counters, prompt_hidden)
 
-    def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None
-                ) -> tuple[torch.Tensor, list[Sequence], dict[str, float]] | None:
+    def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> ExecuteResult | None:
         """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""
         assert self.graphs is not None
         width = max(len(seq.block_table) for seq in seqs)
@@ -222,7 +232,7 @@ class ModelRunner:
         rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == len(seq)]
         if len(rows) < len(seqs):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        return logits, [seqs[i] for i in rows], counters
+        return ExecuteResult(logits, [seqs[i] for i in rows], counters, [])
 
 
 def _dummy_params():

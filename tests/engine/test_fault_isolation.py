@@ -3,6 +3,7 @@ of a clean run, every KV block is free afterwards, and a device error stops the 
 
 Faults are injected by wrapping the engine's own runner / sampler / detokenizer calls, so the
 production path is what runs around them."""
+import dataclasses
 import math
 
 import pytest
@@ -62,7 +63,7 @@ def assert_all_blocks_free(llm):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
-    assert not llm.engine.requests and not llm.engine.failed
+    assert not llm.engine.output_processor.requests and not llm.engine.output_processor.failed
 
 
 def check_isolated(clean, faulty, stage, llm):
@@ -111,7 +112,7 @@ def test_a_detokenizer_fault_ends_only_its_request(tiny_dir):
     def add(request_id, prompt, params):
         add_request(request_id, prompt, params)
         if prompt == prompts()[CULPRIT]:
-            detokenizer = engine.requests[request_id].choices[0].detokenizer
+            detokenizer = engine.output_processor.requests[request_id].choices[0].detokenizer
             add_tokens, seen = detokenizer.add_tokens, []
 
             def faulty(ids):
@@ -137,12 +138,14 @@ def test_nan_logits_in_one_row_end_that_request(tiny_dir):
     execute = runner.execute
 
     def nan_row(seqs, input_ids=None):
-        logits, sampled, counters = execute(seqs, input_ids)
+        result = execute(seqs, input_ids)
+        sampled = result.sampled_seqs
         if culprit_id(llm, sampled) is not None:
             row = [s.request_id for s in sampled].index(culprit_id(llm, sampled))
-            logits = logits.clone()
+            logits = result.logits.clone()
             logits[row] = math.nan
-        return logits, sampled, counters
+            return dataclasses.replace(result, logits=logits)
+        return result
     runner.execute = nan_row
     check_isolated(clean, llm.generate(prompts(), GREEDY), "no_admissible_token", llm)
 

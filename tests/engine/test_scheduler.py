@@ -64,3 +64,33 @@ def test_max_num_seqs_limits_admission():
         sched.add(Sequence(str(i), [1, 2, 3], SamplingParams()))
     out = sched.schedule()
     assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_can_admit_needs_a_waiting_sequence_and_a_free_seat():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64)
+    assert not sched.can_admit()
+    sched.add(Sequence("a", list(range(5)), SamplingParams()))
+    assert sched.can_admit()
+    run_step(sched)
+    sched.add(Sequence("b", list(range(5)), SamplingParams()))
+    assert not sched.can_admit()   # a waits, but max_num_seqs are running
+
+
+def test_decode_continuation_allocates_one_slot_each_or_nothing():
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = Sequence("a", list(range(3)), SamplingParams()), Sequence("b", list(range(7)), SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)   # a: 3 computed in 1 block, b: 7 in 2 blocks; nothing left free
+    assert bm.num_free_blocks == 0
+    for seq in (a, b):   # as after an overlapped step: its input computed, its sampled token in flight
+        seq.token_ids.pop()
+        seq.num_in_flight_tokens = 1
+        seq.num_computed_tokens += 1
+    assert sched.schedule_decode_continuation([]) is None
+    assert sched.schedule_decode_continuation([a, b]) is None   # each needs a new block
+    assert [len(s.block_table) for s in (a, b)] == [1, 2]
+    sched.finish(b)
+    assert sched.schedule_decode_continuation([a]) == [a]
+    assert len(a.block_table) == 2 and a.num_scheduled_tokens == 1 and len(a) == 4   # the token in flight counts
