@@ -174,3 +174,9 @@ def test_ffd_on_an_amd_gpu_is_refused_at_startup_naming_flash(kernel, monkeypatc
         make_attention_backend(fd, torch.device("cuda"), "amd")
     with pytest.raises(ValueError, match='set kernel = "flash"'):    # the stored crossover is not consulted first
         make_attention_backend(FlashDecodingConfig(kernel=kernel), torch.device("cuda"), "auto")
+
+
+def test_ffd_crossover_table_ships_beside_the_kernels():
+    """The measured "auto" crossover per GPU is data (kernels/ffd/crossover.json), not code."""
+    from kernels.ffd.crossover import crossover_table
+    assert crossover_table()["NVIDIA H200"] == 16384
