@@ -493,14 +493,14 @@ def dump_real(length: int, layers: list[int]) -> None:
     K and V of a few layers in bf16 (about 3 MB per layer at 8K)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
-    from engine.attention.layer import AttentionBackend
+    from engine.attention.torch_reference import ReferenceBackend
     import gzip
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_pretrained(model_dir)
     runner = Runner(load_model(model_dir, torch.float32, torch.device("cpu")))
     ids = tok.encode(gzip.decompress(TEXT.read_bytes()).decode("utf-8", "replace"))[:length]
     probe = list(range(length - 8, length))
-    _, kv = runner.run(ids, AttentionBackend(name="dense"), logits_from=length - 1, probe_pos=probe)
+    _, kv = runner.run(ids, ReferenceBackend("dense"), logits_from=length - 1, probe_pos=probe)
     out = {"text": str(TEXT), "length": length, "layers": {}}
     for i in layers:
         k = kv[0, i].reshape(-1, *kv.shape[-2:])[:length]

@@ -43,9 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, forward_context  # noqa: E402
+from engine.attention.backend import AttentionBackend  # noqa: E402
+from engine.attention.ffd import FFDBackend, params_from_config  # noqa: E402
+from engine.attention.layer import Attention, AttentionMetadata, forward_context  # noqa: E402
+from engine.attention.select import make_attention_backend  # noqa: E402
+from engine.attention.torch_reference import ReferenceBackend  # noqa: E402
 from engine.config import FlashDecodingConfig  # noqa: E402
-from engine.attention.ffd import make_ffd_backend, params_from_config  # noqa: E402
 from engine.model.loader import load_model, resolve_model_dir  # noqa: E402
 from engine.text.tokenizer import Tokenizer  # noqa: E402
 from kernels.ffd.reference import FP8, attend_seq_ref, dequantize_blocks_ref, quantize_blocks_ref  # noqa: E402
@@ -74,12 +77,13 @@ class Runner:
         kv = torch.zeros(2, len(self.layers), pages, BS, first.num_kv_heads, first.head_dim)
         for i, layer in enumerate(self.layers):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-        if hasattr(backend, "allocate_cache"):
+        if isinstance(backend, FFDBackend):
             # every exact K page stays: one sequence, prefilled once, no engine to lend pool pages
             backend.compact = False
-            backend.allocate_cache(kv[0], kv[1])
+        backend.allocate(kv[0], kv[1])
         if probe_pos is not None:
-            backend = self._probing(backend, kv, probe_pos)
+            self.q_probe = {i: [] for i in range(len(self.layers))}
+            backend = QueryProbe(backend, probe_pos, self.q_probe)
         table = torch.arange(pages, dtype=torch.int32)[None]
         logits = []
         with torch.inference_mode():
@@ -96,21 +100,27 @@ class Runner:
                     logits.append(self.model.compute_logits(hidden[max(0, logits_from - start):]).float())
         return torch.cat(logits), kv
 
-    def _probing(self, backend, kv, probe_pos):
-        """Wrap prefill to keep each layer's q rows at `probe_pos` (for the attention analysis)."""
-        layer_of = {kv[0, i].data_ptr(): i for i in range(len(self.layers))}
-        self.q_probe = {i: [] for i in range(len(self.layers))}
-        inner = backend.prefill
 
-        def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
-            end = int(seq_lens[0])
-            start = end - q.shape[0]
-            rows = [p - start for p in probe_pos if start <= p < end]
-            if rows:
-                self.q_probe[layer_of[k_cache.data_ptr()]].append(q[rows].clone())
-            return inner(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale)
-        return AttentionBackend(name=backend.name, decode=backend.decode, store_kv=backend.store_kv,
-                                prefill=prefill)
+class QueryProbe(AttentionBackend):
+    """`inner`, also keeping each layer's prefill q rows at `probe_pos` (for the attention analysis)."""
+
+    def __init__(self, inner: AttentionBackend, probe_pos: list[int], q_probe: dict[int, list[torch.Tensor]]):
+        self.inner, self.probe_pos, self.q_probe = inner, probe_pos, q_probe
+        self.name, self.variant = inner.name, inner.variant
+
+    def store(self, layer_idx, key, value, k_cache, v_cache, slot_mapping):
+        self.inner.store(layer_idx, key, value, k_cache, v_cache, slot_mapping)
+
+    def decode(self, layer_idx, q, k_cache, v_cache, metadata, *, scale):
+        return self.inner.decode(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
+
+    def prefill(self, layer_idx, q, k_cache, v_cache, metadata, *, scale):
+        end = int(metadata.seq_lens[0])
+        start = end - q.shape[0]
+        rows = [p - start for p in self.probe_pos if start <= p < end]
+        if rows:
+            self.q_probe[layer_idx].append(q[rows].clone())
+        return self.inner.prefill(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
 
 
 def token_major(x: torch.Tensor) -> torch.Tensor:
@@ -228,11 +238,11 @@ def forced_on_generated(runner: Runner, starts: list[int], prompts: list[list[in
         ids = prompt + gen[:-1]                           # position len(prompt) - 1 + i predicts gen[i]
         target = torch.tensor(gen)
         t0 = time.time()
-        dense, _ = runner.run(ids, AttentionBackend(name="dense"), logits_from=len(prompt) - 1)
+        dense, _ = runner.run(ids, ReferenceBackend("dense"), logits_from=len(prompt) - 1)
         row = {"start": start, "tokens": len(gen),
                "dense_matches_generated": float((dense.argmax(-1) == target).float().mean()), "delta": {}}
         for delta in deltas:
-            ffd, _ = runner.run(ids, make_ffd_backend(ffd_config(delta), CPU, "cpu"), logits_from=len(prompt) - 1)
+            ffd, _ = runner.run(ids, make_attention_backend(ffd_config(delta), CPU, "cpu"), logits_from=len(prompt) - 1)
             kl, agree = kl_and_agreement(dense, ffd)
             row["delta"][f"{delta:g}"] = {"agreement_with_generated": float((ffd.argmax(-1) == target).float().mean()),
                                           "argmax_agreement": agree, "kl_mean": kl}
@@ -321,7 +331,7 @@ def main() -> None:
         ids = ids_all[:length]
         t0 = time.time()
         probe_pos = [length - 1 - i * (args.window // args.probes) for i in range(args.probes)][::-1]
-        dense_logits, kv = runner.run(ids, AttentionBackend(name="dense"), logits_from=length - args.window,
+        dense_logits, kv = runner.run(ids, ReferenceBackend("dense"), logits_from=length - args.window,
                                       probe_pos=probe_pos)
         probes = {i: torch.cat(v) for i, v in runner.q_probe.items()}
         pos = torch.tensor(probe_pos)
@@ -338,7 +348,7 @@ def main() -> None:
                       f"worst layer {max(e['out_rel_err_mean'] for e in errs):.2e}", flush=True)
         for delta in args.deltas:
             t1 = time.time()
-            ffd_logits, _ = runner.run(ids, make_ffd_backend(ffd_config(delta), CPU, "cpu"),
+            ffd_logits, _ = runner.run(ids, make_attention_backend(ffd_config(delta), CPU, "cpu"),
                                        logits_from=length - args.window)
             kl, agree = kl_and_agreement(dense_logits, ffd_logits)
             entry["teacher_forced"][f"{delta:g}"] = {"kl_mean": kl, "argmax_agreement": agree,

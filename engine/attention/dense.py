@@ -1,4 +1,4 @@
-"""`[flashdecoding]` -> the attention functions a step runs (`engine.attention.layer.AttentionBackend`).
+"""The dense decode variants of `[flashdecoding]` ("standard", "flash", "fdpp") as one backend.
 
 The switches map one to one onto a decode variant; nothing falls back silently to another
 algorithm:
@@ -21,29 +21,31 @@ inside the step, and a captured CUDA graph keeps both the zeroing and the counti
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from engine.attention.layer import AttentionBackend
+from engine.attention.backend import AttentionBackend
+from engine.config import FlashDecodingConfig
 from kernels.attention import reference
-from kernels.vendor import check_vendor, vendor_configs
+from kernels.vendor import vendor_configs
+
+if TYPE_CHECKING:
+    from engine.attention.layer import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 # CPU stand-in for the GPU's wave heuristic: enough splits that "flash" really splits.
 CPU_MAX_SPLITS = 8
 
+PhiFor = Callable[[int], "float | None"]   # layer_idx -> φ, or None to estimate it per step
 
-@dataclass
-class KernelAttentionBackend(AttentionBackend):
-    """An AttentionBackend that also says which decode variant it runs."""
-
-    variant: str = "standard"
+TITLES = {"standard": "standard attention (one pass, no split)",
+          "flash": "Flash-Decoding split-KV + log-sum-exp merge",
+          "fdpp": "FlashDecoding++ async softmax (unified max)"}
 
 
-def _decode_variant(fd: Any) -> str:
+def decode_variant(fd: FlashDecodingConfig) -> str:
     if not fd.enable:
         return "standard"
     if fd.kernel != "flash":
@@ -52,13 +54,13 @@ def _decode_variant(fd: Any) -> str:
     return "fdpp" if fd.async_softmax else "flash"
 
 
-def _phi_source(fd: Any, calibration_path: str | None) -> tuple[Callable[[int], float | None], str]:
+def phi_source(fd: FlashDecodingConfig, calibration_path: str | None) -> tuple[PhiFor, str]:
     """(layer_idx -> φ or None to estimate, description)."""
     fixed = fd.fixed_max_value
     if isinstance(fixed, bool) and not fixed:
         return (lambda layer_idx: None), "φ estimated per step from sink + local window"
     if isinstance(fixed, bool):
-        path = calibration_path or getattr(fd, "calibration_file", None)
+        path = calibration_path or fd.calibration_file
         if not path:
             raise ValueError("[flashdecoding] fixed_max_value = true needs the per-layer φ file written by "
                              "`fdserve calibrate`: set [flashdecoding] calibration_file")
@@ -75,90 +77,88 @@ def _phi_source(fd: Any, calibration_path: str | None) -> tuple[Callable[[int], 
     return (lambda layer_idx: value), f"φ forced to {value:g}"
 
 
-def make_attention_backend(fd: Any, device: torch.device, gpu_vendor: str, *,
-                           calibration_path: str | None = None) -> KernelAttentionBackend:
-    """Build the backend for `[flashdecoding]` (fd) on `device` with `[backend] gpu_vendor`.
+class DenseBackend(AttentionBackend):
+    """Decode by `variant` over every exact key; paged causal prefill; the plain KV store (fused
+    with RoPE on a GPU). Triton kernels on a GPU (`vendor`'s launch configs), torch on the CPU."""
 
-    Raises ValueError for a vendor the hardware contradicts, a vendor that contradicts the
-    device, an unsupported kernel, or fixed_max_value = true without a calibration file.
-    """
-    vendor = check_vendor(gpu_vendor)
-    on_gpu = device.type == "cuda"
-    if on_gpu != (vendor in ("nvidia", "amd")):
-        raise ValueError(f"gpu_vendor {vendor!r} does not match the device {device}")
-    # --- FFD (issue 5): kernel = "ffd" | "auto" is built by engine/attention/ffd.py ---
-    if fd.enable and fd.kernel in ("ffd", "auto"):
-        from engine.attention.ffd import make_ffd_backend
-        return make_ffd_backend(fd, device, vendor)  # type: ignore[return-value]
-    # --- end FFD ---
-    variant = _decode_variant(fd)
-    num_splits = int(getattr(fd, "num_splits", 0) or 0)
-    fallback = bool(fd.fallback_on_overflow)
-    phi_for: Callable[[int], float | None] = lambda layer_idx: None
-    phi_text = ""
-    if variant == "fdpp":
-        phi_for, phi_text = _phi_source(fd, calibration_path)
-        if not fallback:
-            logger.warning("[flashdecoding] fallback_on_overflow = false: rows whose scores leave φ's safe "
-                           "window are NOT recomputed (their output is inaccurate); they are still counted")
-    elif fd.enable and (fd.fixed_max_value is not False or not fallback):
-        logger.info("[flashdecoding] fixed_max_value / fallback_on_overflow apply to async_softmax only")
+    def __init__(self, fd: FlashDecodingConfig, device: torch.device, vendor: str, *,
+                 calibration_path: str | None = None) -> None:
+        self.variant = decode_variant(fd)
+        self.on_gpu = device.type == "cuda"
+        self.fuse_rope_store = self.on_gpu
+        self.num_splits = fd.num_splits
+        self.fallback = fd.fallback_on_overflow
+        self.phi_for: PhiFor = lambda layer_idx: None
+        phi_text = ""
+        if self.variant == "fdpp":
+            self.phi_for, phi_text = phi_source(fd, calibration_path)
+            if not self.fallback:
+                logger.warning("[flashdecoding] fallback_on_overflow = false: rows whose scores leave φ's safe "
+                               "window are NOT recomputed (their output is inaccurate); they are still counted")
+        elif fd.enable and (fd.fixed_max_value is not False or not self.fallback):
+            logger.info("[flashdecoding] fixed_max_value / fallback_on_overflow apply to async_softmax only")
+        self.step_stats = torch.zeros(1, dtype=torch.int64, device=device)   # rows flagged in this step
+        if self.on_gpu:
+            self.configs = vendor_configs(vendor)
+            self.decode_options: dict[str, Any] = {"config": self.configs.decode}
+            if self.variant == "fdpp":
+                self.decode_options.update(fallback=self.fallback, stats=self.step_stats)
+            where = f"triton[{vendor}, block_n={self.configs.decode.block_n}]"
+        else:
+            where = "torch reference (cpu)"
+        splits_text = "1 split" if self.variant == "standard" else (
+            f"splits={self.num_splits}" if self.num_splits else
+            ("splits=wave heuristic" if self.on_gpu else f"splits<={CPU_MAX_SPLITS}"))
+        details = [splits_text]
+        if self.variant == "fdpp":
+            details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
+        store_text = f"{where}, fused with RoPE" if self.on_gpu else where
+        self.name = (f"{where}: {TITLES[self.variant]} ({', '.join(details)}); prefill: {where}; "
+                     f"kv store: {store_text}")
 
-    step_stats = torch.zeros(1, dtype=torch.int64, device=device)   # rows flagged in this step
-    splits_text = "1 split" if variant == "standard" else (
-        f"splits={num_splits}" if num_splits else
-        ("splits=wave heuristic" if on_gpu else f"splits<={CPU_MAX_SPLITS}"))
+    def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.on_gpu:
+            from kernels import store_kv
+            store_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    if on_gpu:
-        from kernels import decode_attention, prefill_attention, store_kv
-        cfg = vendor_configs(vendor)
-        options: dict[str, Any] = {"config": cfg.decode}
-        if variant == "fdpp":
-            options.update(fallback=fallback, stats=step_stats)
-
-        def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
+    def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        counters = metadata.counters
+        if self.on_gpu:
+            from kernels import decode_attention
             extra = {}
-            if variant == "fdpp":
+            if self.variant == "fdpp":
                 if layer_idx == 0:
-                    step_stats.zero_()
-                extra["phi"] = phi_for(layer_idx)
+                    self.step_stats.zero_()
+                extra["phi"] = self.phi_for(layer_idx)
                 counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
-                counters["fdpp_fallback_rows"] = step_stats[0]
-            return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                    variant=variant, num_splits=num_splits or None, **options, **extra)
+                counters["fdpp_fallback_rows"] = self.step_stats[0]
+            return decode_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
+                                    variant=self.variant, num_splits=self.num_splits or None,
+                                    **self.decode_options, **extra)
+        if self.variant == "standard":
+            return reference.decode_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                                  scale=scale)
+        extra_ref: dict[str, Any] = {}
+        if self.variant == "fdpp":
+            self.step_stats.zero_()
+            extra_ref = {"phi": self.phi_for(layer_idx), "fallback": self.fallback, "stats": self.step_stats}
+        out = reference.decode_reference(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
+                                         variant=self.variant, num_splits=self.num_splits or CPU_MAX_SPLITS,
+                                         **extra_ref)
+        if self.variant == "fdpp":
+            counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
+            counters["fdpp_fallback_rows"] = counters.get("fdpp_fallback_rows", 0.0) + float(self.step_stats[0])
+        return out
 
-        def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
-            return prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     scale=scale, config=cfg.prefill)
-
-        where = f"triton[{vendor}, block_n={cfg.decode.block_n}]"
-        store: Callable[..., None] = store_kv
-    else:
-        def decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
-            if variant == "standard":
-                return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
-            extra: dict[str, Any] = {}
-            if variant == "fdpp":
-                step_stats.zero_()
-                extra = {"phi": phi_for(layer_idx), "fallback": fallback, "stats": step_stats}
-            out = reference.decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                             variant=variant, num_splits=num_splits or CPU_MAX_SPLITS, **extra)
-            if variant == "fdpp":
-                counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
-                counters["fdpp_fallback_rows"] = counters.get("fdpp_fallback_rows", 0.0) + float(step_stats[0])
-            return out
-
-        prefill = reference.prefill_attention_ref
-        store = reference.store_kv_ref
-        where = "torch reference (cpu)"
-
-    title = {"standard": "standard attention (one pass, no split)",
-             "flash": "Flash-Decoding split-KV + log-sum-exp merge",
-             "fdpp": "FlashDecoding++ async softmax (unified max)"}[variant]
-    details = [splits_text]
-    if variant == "fdpp":
-        details += [phi_text, f"fallback={'on' if fallback else 'off (counted only)'}"]
-    store_text = f"{where}, fused with RoPE" if on_gpu else where
-    name = f"{where}: {title} ({', '.join(details)}); prefill: {where}; kv store: {store_text}"
-    return KernelAttentionBackend(name=name, decode=decode, store_kv=store, prefill=prefill, variant=variant,
-                                  fuse_rope_store=on_gpu)
+    def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        if self.on_gpu:
+            from kernels import prefill_attention
+            return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                     metadata.query_start_loc, scale=scale, config=self.configs.prefill)
+        return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                               metadata.query_start_loc, scale=scale)

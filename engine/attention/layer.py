@@ -1,23 +1,20 @@
-"""The one attention layer every model calls, the per-step metadata, and the backends behind it.
+"""The one attention layer every model calls and the per-step metadata it reads.
 
 The model runner builds an `AttentionMetadata` once per step and installs it with
 `forward_context(...)`; every `Attention` layer then reads it, writes the step's new K/V into
-its pages (by `slot_mapping`) and attends. A decode-only step goes to the configured decode path
-(`DecodePath`); any step with prefill chunks goes through the paged prefill path.
+its pages (by `slot_mapping`) and attends through the step's `AttentionBackend`: a decode-only
+step calls its `decode`, any step with prefill chunks its `prefill`.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
 
-from kernels.attention import reference
-
-logger = logging.getLogger(__name__)
+from engine.attention.backend import AttentionBackend, AttentionPlan
 
 
 @dataclass
@@ -29,6 +26,8 @@ class AttentionMetadata:
     query_start_loc[B+1] offsets of each sequence's new tokens in the flat token batch
     seq_lens[B]         context length of each sequence after this step (cached + new tokens)
     block_tables[B, M]  the pages of each sequence, padded with 0
+    plan                the backend's host-side decisions for this step (`AttentionBackend.plan`)
+    counters            what the backend counted this step (summed by the engine, exported by /metrics)
     """
 
     positions: torch.Tensor
@@ -39,6 +38,7 @@ class AttentionMetadata:
     max_query_len: int
     is_decode_only: bool
     counters: dict[str, float] = field(default_factory=dict)
+    plan: AttentionPlan = field(default_factory=AttentionPlan)
 
     @property
     def num_seqs(self) -> int:
@@ -54,41 +54,6 @@ class RotaryFn(Protocol):
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
                          ) -> torch.Tensor: ...
-
-
-class DecodeFn(Protocol):
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                 layer_idx: int, counters: dict[str, float]) -> torch.Tensor: ...
-
-
-def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                     layer_idx: int, counters: dict[str, float]) -> torch.Tensor:
-    return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
-
-
-@dataclass
-class AttentionBackend:
-    """The functions a step's attention runs: KV store, prefill over pages, decode.
-
-    `fuse_rope_store`: `store_kv` is the plain cache write, then `post_store` (if any), so the layer
-    may rotate k and store it with v in one launch (`RotaryFn.rotate_and_store`, on a GPU) instead
-    of two, and call `post_store(k_cache, slot_mapping)` after it (FFD: quantize the filled blocks).
-    """
-
-    name: str
-    decode: DecodeFn = reference_decode
-    store_kv: Callable[..., None] = reference.store_kv_ref
-    prefill: Callable[..., torch.Tensor] = reference.prefill_attention_ref
-    fuse_rope_store: bool = False
-    post_store: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-    def decode_graph_widths(self, max_blocks: int) -> list[int]:
-        """Block-table widths (pages), ascending and ending at `max_blocks`, to capture a decode
-        graph for each: a backend whose host-side choice depends on the table width (FFD's "auto")
-        names the widths where that choice changes."""
-        return [max_blocks]
 
 
 @dataclass
@@ -143,21 +108,19 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         if rotary is not None and positions is None:
             raise ValueError("Attention: rotary needs positions")
-        if rotary is not None and ctx.backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
+        backend = ctx.backend
+        if rotary is not None and backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
             q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            if ctx.backend.post_store is not None:
-                ctx.backend.post_store(self.k_cache, meta.slot_mapping)
+            backend.post_store(self.layer_idx, self.k_cache, meta.slot_mapping)
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            ctx.backend.store_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
-                                 self.k_cache, self.v_cache, meta.slot_mapping)
+            backend.store(self.layer_idx, k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                          v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                          self.k_cache, self.v_cache, meta.slot_mapping)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if meta.is_decode_only:
-            out = ctx.backend.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                     scale=self.scale, layer_idx=self.layer_idx, counters=meta.counters)
+            out = backend.decode(self.layer_idx, q, self.k_cache, self.v_cache, meta, scale=self.scale)
         else:
-            out = ctx.backend.prefill(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, scale=self.scale)
+            out = backend.prefill(self.layer_idx, q, self.k_cache, self.v_cache, meta, scale=self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine.attention.layer import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.core.block_manager import BlockManager
 from engine.config import ConfigError, FdserveConfig
 from engine.worker.device import select_device, select_dtype
@@ -69,16 +69,10 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling, self.max_context_len)
         # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
         configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
-        block_size = config.backend.block_size
-        # --- FFD (issue 5): a KV page is one quantization block (ffd_block_size) ---
-        if getattr(self.backend, "page_size", None) and self.backend.page_size != block_size:
-            logger.info("kernel = %r: KV pages of ffd_block_size = %d tokens (backend.block_size = %d "
-                        "applies to the dense kernels)", config.flashdecoding.kernel, self.backend.page_size,
-                        block_size)
-            block_size = self.backend.page_size
-        if hasattr(self.backend, "size_exact_pool"):
-            self.backend.size_exact_pool(config.backend.max_num_seqs, config.backend.max_num_batched_tokens)
-        # --- end FFD ---
+        block_size = self.backend.page_size(config.backend.block_size)
+        if block_size != config.backend.block_size:
+            logger.info("kernel = %r: KV pages of %d tokens (backend.block_size = %d applies to the dense kernels)",
+                        config.flashdecoding.kernel, block_size, config.backend.block_size)
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
@@ -86,7 +80,7 @@ class LLMEngine:
         self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
                                                else "; synchronous scheduling")
         self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching,
-                                          on_free=getattr(self.backend, "release_pages", None))
+                                          on_free=self.backend.release)
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
@@ -128,8 +122,11 @@ class LLMEngine:
         return length
 
     def _make_backend(self) -> AttentionBackend:
-        from engine.attention.dense import make_attention_backend
-        return make_attention_backend(self.config.flashdecoding, self.device, self.vendor)
+        from engine.attention.select import make_attention_backend
+        limits = self.config.backend
+        return make_attention_backend(self.config.flashdecoding, self.device, self.vendor,
+                                      max_num_seqs=limits.max_num_seqs,
+                                      max_num_batched_tokens=limits.max_num_batched_tokens)
 
     def _capture_graphs(self) -> str:
         backend = self.config.backend

@@ -15,44 +15,46 @@ from typing import Any, Callable
 
 import torch
 
-from engine.attention.layer import Attention, AttentionBackend
+from engine.attention.backend import AttentionBackend
+from engine.attention.layer import Attention, AttentionMetadata
+from engine.attention.torch_reference import ReferenceBackend
 from kernels.attention import reference
 
 FORMAT_VERSION = 1
 LOW_Q, HIGH_Q = 1e-4, 1 - 1e-4
 
 
-class RowMaxRecorder:
-    """An attention backend (torch references) that also records every row's max score."""
+class RowMaxRecorder(ReferenceBackend):
+    """The torch reference backend, also recording every row's max score per layer."""
 
     def __init__(self, num_layers: int) -> None:
+        super().__init__("calibration: torch reference + row-max recorder")
         self.samples: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
     def _record(self, layer_idx: int, row_max: torch.Tensor) -> None:
         self.samples[layer_idx].append(row_max.detach().float().flatten().cpu())
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, *, scale, layer_idx, counters):
-        scores, _ = reference.paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, 64)
+    def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        scores, _ = reference.paged_scores(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, 64)
         self._record(layer_idx, scores.amax((-1, -2)))
-        return reference.decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+        return super().decode(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
 
-    def prefill_for(self, layer_idx_of: Callable[[], int]):
-        def prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale):
-            starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-            heads, kv_heads = q.shape[1], k_cache.shape[2]
-            for b, ctx in enumerate(lens):
-                q_b = q[starts[b]:starts[b + 1]].float()
-                if q_b.shape[0] == 0:
-                    continue
-                k = reference.gather_kv_ref(k_cache, block_tables[b], ctx).float()
-                k = k.repeat_interleave(heads // kv_heads, dim=1)
-                scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
-                q_pos = torch.arange(ctx - q_b.shape[0], ctx, device=q.device)
-                visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-                self._record(layer_idx_of(), scores.masked_fill(~visible, float("-inf")).amax(-1))
-            return reference.prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens,
-                                                   query_start_loc, scale=scale)
-        return prefill
+    def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        starts, lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        heads, kv_heads = q.shape[1], k_cache.shape[2]
+        for b, ctx in enumerate(lens):
+            q_b = q[starts[b]:starts[b + 1]].float()
+            if q_b.shape[0] == 0:
+                continue
+            k = reference.gather_kv_ref(k_cache, metadata.block_tables[b], ctx).float()
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
+            q_pos = torch.arange(ctx - q_b.shape[0], ctx, device=q.device)
+            visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            self._record(layer_idx, scores.masked_fill(~visible, float("-inf")).amax(-1))
+        return super().prefill(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
 
 
 def choose_phi(row_max: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, float]:
@@ -80,17 +82,7 @@ def calibrate(model: torch.nn.Module, run_forward_fn: Callable[[AttentionBackend
     if not layers:
         raise ValueError("the model has no engine.attention.layer.Attention layers to calibrate")
     recorder = RowMaxRecorder(max(m.layer_idx for m in layers) + 1)
-    current = {"layer": 0}
-    hooks = [m.register_forward_pre_hook(lambda mod, args: current.__setitem__("layer", mod.layer_idx))
-             for m in layers]
-    backend = AttentionBackend(name="calibration: torch reference + row-max recorder",
-                               decode=recorder.decode, store_kv=reference.store_kv_ref,
-                               prefill=recorder.prefill_for(lambda: current["layer"]))
-    try:
-        run_forward_fn(backend)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    run_forward_fn(recorder)
     per_layer = []
     for idx, samples in enumerate(recorder.samples):
         if not samples:

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.attention.layer import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.tools.calibration import calibrate
 from engine.config import FdserveConfig
 from engine.core.llm_engine import LLMEngine

@@ -16,6 +16,7 @@ the batch size (`kernels.attention.flash_decoding.choose_num_splits`), the matmu
 the block-table width is the widest a sequence can need, or, where the backend's choice depends
 on it (`AttentionBackend.decode_graph_widths`: FFD's "auto" runs the Flash-Decoding kernel when
 no row can reach its crossover), the narrowest captured width that holds the step's tables.
+The backend's `plan` runs for each capture (over no sequences) and the graph keeps what it planned.
 Counters the attention backend adds during capture are device tensors the graph updates
 (returned as captured) or host floats proportional to the rows (scaled to the real batch).
 """
@@ -27,7 +28,8 @@ import time
 import torch
 from torch import nn
 
-from engine.attention.layer import AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend
+from engine.attention.layer import AttentionMetadata, forward_context
 from engine.request.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,9 @@ class DecodeGraphs:
             counters=counters)
 
     def _forward(self, batch: int, width: int, counters: dict[str, float]) -> torch.Tensor:
-        with forward_context(self._metadata(batch, width, counters), self.backend):
+        metadata = self._metadata(batch, width, counters)
+        metadata.plan = self.backend.plan([])   # the dummy rows write no K/V; the graph keeps this plan
+        with forward_context(metadata, self.backend):
             hidden = self.model(self.input_ids[:batch], self.positions[:batch])
         return self.model.compute_logits(hidden)
 

@@ -1,10 +1,11 @@
 """Turns a scheduled batch into one forward pass: metadata, KV cache, model call, logits.
 
-The KV cache is a K and a V tensor `[num_layers, pages, block_size, Hkv, D]` (FFD may keep fewer
-K pages than V pages: `key_cache_pages`), sized from `kv_cache_ratio` of free device memory after a profiling forward (on CPU: of the
-configured byte budget). Metadata is built once per step and shared by every layer. Decode
-steps replay a captured CUDA graph when `capture_decode_graphs` was called (engine/worker/cuda_graph.py);
-prefill and batches wider than the largest graph run eagerly.
+The KV cache is a K and a V tensor `[num_layers, pages, block_size, Hkv, D]` (the backend may keep
+fewer K pages than V pages: `key_cache_pages`), sized from `kv_cache_ratio` of free device memory
+after a profiling forward (on CPU: of the configured byte budget) in the backend's `cache_layout`.
+Metadata is built once per step and shared by every layer. Decode steps replay a captured CUDA
+graph when `capture_decode_graphs` was called (engine/worker/cuda_graph.py); prefill and batches
+wider than the largest graph run eagerly.
 """
 from __future__ import annotations
 
@@ -14,25 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.layer import Attention, AttentionMetadata, forward_context
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.request.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        element = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass
@@ -84,29 +73,22 @@ class ModelRunner:
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
-        per_block, fixed = self.spec.bytes_per_block, 0
-        # --- FFD (issue 5): quantized keys per page; exact K pages per page or as a fixed pool ---
-        if hasattr(self.backend, "plan_cache"):
-            per_block, fixed = self.backend.plan_cache(self.spec, budget_bytes)
-        # --- end FFD ---
+        per_block, fixed = self.backend.cache_layout(self.spec, budget_bytes)
         return max(0, (budget_bytes - fixed) // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.spec
-        key_pages = num_blocks
-        if hasattr(self.backend, "key_cache_pages"):    # FFD: a pool of exact K pages
-            key_pages = self.backend.key_cache_pages(num_blocks)
+        key_pages = self.backend.key_cache_pages(num_blocks)
         shape = (s.block_size, s.num_kv_heads, s.head_dim)
         self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.dtype, device=self.device)
         self.v_cache = torch.zeros(s.num_layers, num_blocks, *shape, dtype=s.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
+            if layer.layer_idx != i:   # backends index their per-layer state by layer_idx
+                raise ValueError(f"attention layer {i} of the model says it is layer {layer.layer_idx}")
             layer.k_cache = self.k_cache[i]
             layer.v_cache = self.v_cache[i]
         self.num_blocks = num_blocks
-        # --- FFD (issue 5): quantized keys beside the KV cache, indexed by the same page ids ---
-        if hasattr(self.backend, "allocate_cache"):
-            self.backend.allocate_cache(self.k_cache, self.v_cache)
-        # --- end FFD ---
+        self.backend.allocate(self.k_cache, self.v_cache)
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:
@@ -200,14 +182,14 @@ class ModelRunner:
             raise ValueError("input_ids replaces one token per sequence of a decode step")
         if input_ids is None and any(seq.num_in_flight_tokens for seq in seqs):
             raise ValueError("a token still in flight is not on the host: pass the step's input_ids")
-        if hasattr(self.backend, "begin_step"):   # FFD: exact K pool pages for the pages this step writes
-            self.backend.begin_step(seqs)
+        plan = self.backend.plan(seqs)   # replayed graphs too: host bookkeeping such as FFD's pool pages
         if self.graphs is not None and decode and not any(   # a row that scores a prompt token runs eagerly
                 seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens for seq in seqs):
             replayed = self._replay(seqs, input_ids)
             if replayed is not None:
                 return replayed
         step = self.prepare(seqs)
+        step.metadata.plan = plan
         if input_ids is not None:
             step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from engine.attention.layer import Attention, AttentionMetadata, forward_context
-from engine.attention.dense import make_attention_backend
+from engine.attention.select import make_attention_backend
 from engine.tools.calibration import calibrate, load_phi
 from engine.config import FlashDecodingConfig
 from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref
+from tests.support.attention_metadata import kernel_metadata
 
 CPU = torch.device("cpu")
 
@@ -32,8 +33,8 @@ def decode_inputs(seed=0, lens=(300, 45, 129), heads=4, kv_heads=2, dim=16, page
 
 
 def run_decode(backend, inputs, layer_idx=0, counters=None):
-    return backend.decode(*inputs, scale=0.25, layer_idx=layer_idx,
-                          counters={} if counters is None else counters)
+    q, k, v, tables, lens = inputs
+    return backend.decode(layer_idx, q, k, v, kernel_metadata(tables, lens, counters=counters), scale=0.25)
 
 
 @pytest.mark.parametrize("settings, title", [
@@ -157,3 +158,25 @@ def test_gpu_fdpp_counts_on_the_device():
     assert int(counters["fdpp_fallback_rows"]) == 12 and counters["fdpp_rows_checked"] == 12
     ref = decode_attention_ref(*inputs, scale=0.25)
     assert float((out - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("kernel", ["ffd", "auto"])
+def test_ffd_on_an_amd_gpu_is_refused_at_startup_naming_flash(kernel, monkeypatch):
+    """A ROCm build reports its GPU as device type "cuda"; kernel = "ffd" | "auto" with gpu_vendor
+    "amd" is refused before any kernel or CUDA query, and the message names kernel = "flash"."""
+    import kernels.vendor
+    monkeypatch.setattr(kernels.vendor, "detect_vendor", lambda: "amd")
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: pytest.fail("queried the GPU"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("queried the GPU"))
+    fd = FlashDecodingConfig(kernel=kernel, ffd_crossover_tokens=4096 if kernel == "auto" else None)
+    with pytest.raises(ValueError, match=f'kernel = "{kernel}".*NVIDIA.*set kernel = "flash"'):
+        make_attention_backend(fd, torch.device("cuda"), "amd")
+    with pytest.raises(ValueError, match='set kernel = "flash"'):    # the stored crossover is not consulted first
+        make_attention_backend(FlashDecodingConfig(kernel=kernel), torch.device("cuda"), "auto")
+
+
+def test_ffd_crossover_table_ships_beside_the_kernels():
+    """The measured "auto" crossover per GPU is data (kernels/ffd/crossover.json), not code."""
+    from kernels.ffd.crossover import crossover_table
+    assert crossover_table()["NVIDIA H200"] == 16384

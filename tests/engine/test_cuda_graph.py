@@ -84,25 +84,25 @@ def test_staging_appends_pages_and_rebuilds_rows_that_change_owner():
 def test_a_step_replays_the_narrowest_captured_width_that_holds_it():
     """Backends may ask for graphs at several block-table widths (FFD's "auto"): a step takes the
     smallest batch bucket and the narrowest width that hold it; widths must ascend to the widest."""
-    from engine.attention.layer import AttentionBackend
+    from engine.attention.torch_reference import ReferenceBackend
     from engine.worker.cuda_graph import DecodeGraphs
 
-    class TwoWidths(AttentionBackend):
+    class TwoWidths(ReferenceBackend):
         def decode_graph_widths(self, max_blocks: int) -> list[int]:
             return [3, max_blocks]
 
-    graphs = DecodeGraphs(torch.nn.Identity(), TwoWidths(name="two"), torch.device("cpu"), max_batch=4, max_blocks=8)
+    graphs = DecodeGraphs(torch.nn.Identity(), TwoWidths("two"), torch.device("cpu"), max_batch=4, max_blocks=8)
     assert graphs.widths == [3, 8]
     graphs.graphs = {(b, w): None for b in graphs.batch_sizes for w in graphs.widths}
     assert graphs.bucket_for(3, 2) == (4, 3) and graphs.bucket_for(1, 3) == (1, 3)
     assert graphs.bucket_for(2, 4) == (2, 8) and graphs.bucket_for(1, 9) is None and graphs.bucket_for(5, 1) is None
 
-    class Unordered(AttentionBackend):
+    class Unordered(ReferenceBackend):
         def decode_graph_widths(self, max_blocks: int) -> list[int]:
             return [max_blocks, 3]
 
     with pytest.raises(ValueError, match="ascend"):
-        DecodeGraphs(torch.nn.Identity(), Unordered(name="bad"), torch.device("cpu"), max_batch=4, max_blocks=8)
+        DecodeGraphs(torch.nn.Identity(), Unordered("bad"), torch.device("cpu"), max_batch=4, max_blocks=8)
 
 
 def test_graphs_alternate_staging_sets():

@@ -44,14 +44,14 @@ def random_model(head_dim: int):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_matches_reference_in_model(variant, head_dim):
-    from engine.attention.layer import AttentionBackend
-    from engine.attention.dense import make_attention_backend
+    from engine.attention.select import make_attention_backend
+    from engine.attention.torch_reference import ReferenceBackend
     from tests.support.model_driver import PagedModelDriver
 
     model = random_model(head_dim)
     backend = make_attention_backend(fd_settings(**VARIANTS[variant]), torch.device("cuda"), "auto")
     ours = PagedModelDriver(model, num_blocks=512, block_size=16, backend=backend, seed=1)
-    ref = PagedModelDriver(model, num_blocks=512, block_size=16, backend=AttentionBackend(name="reference"), seed=1)
+    ref = PagedModelDriver(model, num_blocks=512, block_size=16, backend=ReferenceBackend(), seed=1)
     gen = torch.Generator().manual_seed(2)
     lengths = {0: 1000, 1: 2049, 2: 333}
     steps = [{s: torch.randint(3, 250, (n,), generator=gen).tolist() for s, n in lengths.items()},

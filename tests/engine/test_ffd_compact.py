@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.ffd import CROSSOVER_TOKENS
+from kernels.ffd.crossover import crossover_table
 from engine.attention.ffd_cache import ExactKeyPages, exact_pool_pages
 from kernels import store_kv
 from kernels.ffd.decode import ffd_decode
@@ -127,7 +127,7 @@ def test_engine_keeps_exact_keys_only_in_the_pool(tmp_path, monkeypatch):
     tiny = make_tiny_model(tmp_path, "llama", num_layers=2)
     settings = dict(ffd_block_size=64, delta=0.5, sink_tokens=4, local_window=64, max_num_seqs=4,
                     max_num_batched_tokens=256, cpu_kv_cache_bytes=8 << 20)
-    monkeypatch.setitem(CROSSOVER_TOKENS, "cpu", 256)
+    monkeypatch.setitem(crossover_table(), "cpu", 256)
     ffd = LLM(model=tiny, kernel="ffd", **settings).engine
     auto = LLM(model=tiny, kernel="auto", **settings).engine
     pool = exact_pool_pages(4, 256, 64)

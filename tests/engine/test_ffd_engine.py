@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.dense import make_attention_backend
+from engine.attention.select import make_attention_backend
 from engine.config import FlashDecodingConfig
 from tests.support.tiny_models import make_tiny_model
 
@@ -122,9 +122,8 @@ def test_auto_crossover_from_config_and_its_error_names_the_key():
 
 
 def test_auto_with_crossover_switches_per_sequence(tiny_dir):
-    from engine.attention.ffd import make_ffd_backend
-    backend = make_ffd_backend(FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=1.0),
-                               torch.device("cpu"), "cpu", crossover=256)
+    backend = make_attention_backend(FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=1.0),
+                                     torch.device("cpu"), "cpu", crossover=256)
     assert backend.params.min_ffd_len == 256 and "dense Flash-Decoding below 256" in backend.name
 
 
@@ -140,9 +139,9 @@ def test_auto_steps_below_the_crossover_run_the_flash_backend(tiny_dir):
     widths: dict[str, list[int]] = {"decode": [], "prefill": []}
 
     def spy(kind, fn):
-        def call(q, k_cache, v_cache, block_tables, *args, **kwargs):
-            widths[kind].append(block_tables.shape[1])
-            return fn(q, k_cache, v_cache, block_tables, *args, **kwargs)
+        def call(layer_idx, q, k_cache, v_cache, metadata, **kwargs):
+            widths[kind].append(metadata.block_tables.shape[1])
+            return fn(layer_idx, q, k_cache, v_cache, metadata, **kwargs)
         return call
 
     backend.dense.decode = spy("decode", backend.dense.decode)
@@ -160,9 +159,10 @@ def test_auto_steps_below_the_crossover_run_the_flash_backend(tiny_dir):
 
 
 def test_auto_where_ffd_never_won_is_flash_decoding():
-    from engine.attention.ffd import NEVER, make_ffd_backend
-    backend = make_ffd_backend(FlashDecodingConfig(kernel="auto"), torch.device("cpu"), "cpu", crossover=NEVER)
-    assert "Flash-Decoding split-KV" in backend.name and not hasattr(backend, "allocate_cache")
+    from engine.attention.dense import DenseBackend
+    from engine.attention.ffd import NEVER
+    backend = make_attention_backend(FlashDecodingConfig(kernel="auto"), torch.device("cpu"), "cpu", crossover=NEVER)
+    assert "Flash-Decoding split-KV" in backend.name and isinstance(backend, DenseBackend)
 
 
 def test_quality_harness_runs_dense_and_ffd_over_one_cache(tiny_dir):
@@ -170,15 +170,14 @@ def test_quality_harness_runs_dense_and_ffd_over_one_cache(tiny_dir):
     rule and with FFD at δ = ∞: the same logits up to the quantized keys' error, and not identical
     (the FFD rule really ran over the 2-bit + residual keys of the full blocks)."""
     from bench.ffd_quality import Runner, ffd_config
-    from engine.attention.layer import AttentionBackend
-    from engine.attention.ffd import make_ffd_backend
+    from engine.attention.torch_reference import ReferenceBackend
     from engine.model.loader import load_model
 
     model = load_model(tiny_dir, torch.float32, torch.device("cpu"))
     runner = Runner(model)
     ids = torch.randint(3, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    dense, kv = runner.run(ids, AttentionBackend(name="dense"), logits_from=200, chunk=128)
-    ffd, _ = runner.run(ids, make_ffd_backend(ffd_config(1e9), torch.device("cpu"), "cpu"), logits_from=200,
+    dense, kv = runner.run(ids, ReferenceBackend("dense"), logits_from=200, chunk=128)
+    ffd, _ = runner.run(ids, make_attention_backend(ffd_config(1e9), torch.device("cpu"), "cpu"), logits_from=200,
                         chunk=128)
     assert dense.shape == ffd.shape == (100, model.compute_logits(torch.zeros(1, 64)).shape[-1])
     assert kv.shape[2] == 3                                   # 300 tokens in pages of 128

@@ -72,11 +72,11 @@ def test_decode_matches_transformers(tiny) -> None:
 def test_fused_rope_and_kv_store_path_matches_transformers(tmp_path: Path) -> None:
     """A backend that fuses RoPE with the KV store (the GPU kernel backends; here the same Triton
     kernel under the interpreter) gives transformers' logits through prefill, a mixed step and decode."""
-    from engine.attention.layer import AttentionBackend
+    from engine.attention.torch_reference import ReferenceBackend
     model_dir = make_tiny_model(tmp_path / "llama", "llama")
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     driver = PagedModelDriver(model, num_blocks=16, block_size=16,
-                              backend=AttentionBackend(name="fused rope+store", fuse_rope_store=True))
+                              backend=ReferenceBackend("fused rope+store", fuse_rope_store=True))
     seq_a, seq_b = _random_tokens(24, seed=5), _random_tokens(21, seed=6)
     steps = [{0: seq_a[:17], 1: seq_b[:5]}, {0: seq_a[17:18], 1: seq_b[5:18]}]
     steps += [{0: [seq_a[18 + i]], 1: [seq_b[18 + i]]} for i in range(3)]

@@ -211,16 +211,17 @@ def test_backend_glue_triton_equals_reference():
     """The engine backend's Triton path (store, quantize on write, prefill, decode, counters)
     against its torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
     from engine.config import FlashDecodingConfig
-    from engine.attention.ffd import make_ffd_backend
+    from engine.attention.select import make_attention_backend
+    from tests.support.attention_metadata import kernel_metadata
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
     gen = torch.Generator().manual_seed(2)
-    backends = [make_ffd_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
+    backends = [make_attention_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
     backends[1].triton = True
     for backend in backends:    # every exact K page kept (the "auto" layout); the pool: test_ffd_compact.py
         backend.compact = False
     kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
     for backend, cache in zip(backends, kv):
-        backend.allocate_cache(cache[0], cache[1])
+        backend.allocate(cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
     slot = lambda b, p: int(tables[b, p // 64]) * 64 + p % 64
@@ -229,21 +230,21 @@ def test_backend_glue_triton_equals_reference():
     v = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     outs, counters = [], []
     for backend, cache in zip(backends, kv):
-        backend.store_kv(k, v, cache[0, 0], cache[1, 0], slots)
+        backend.store(0, k, v, cache[0, 0], cache[1, 0], slots)
         qsl = torch.tensor([0, 200, 330, 393], dtype=torch.int32, device=DEV)
         q_prompt = torch.randn(len(slots), 8, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
-        prompt_out = backend.prefill(q_prompt, cache[0, 0], cache[1, 0], tables, torch.tensor(lens, device=DEV,
-                                     dtype=torch.int32), qsl, scale=0.125)
+        prompt_meta = kernel_metadata(tables, torch.tensor(lens, device=DEV, dtype=torch.int32), qsl)
+        prompt_out = backend.prefill(0, q_prompt, cache[0, 0], cache[1, 0], prompt_meta, scale=0.125)
         steps, c = [], {}
         for step in range(2):                                        # the 63-token sequence fills its page
             new = torch.tensor([slot(b, n + step) for b, n in enumerate(lens)], device=DEV)
             g = torch.Generator().manual_seed(10 + step)
-            backend.store_kv(torch.randn(3, 2, 64, generator=g).to(DEV), torch.randn(3, 2, 64, generator=g).to(DEV),
-                             cache[0, 0], cache[1, 0], new)
+            backend.store(0, torch.randn(3, 2, 64, generator=g).to(DEV), torch.randn(3, 2, 64, generator=g).to(DEV),
+                          cache[0, 0], cache[1, 0], new)
             seq = torch.tensor([n + step + 1 for n in lens], dtype=torch.int32, device=DEV)
             q = torch.randn(3, 8, 64, generator=g).to(DEV)
-            steps.append(backend.decode(q, cache[0, 0], cache[1, 0], tables, seq, scale=0.125, layer_idx=0,
-                                        counters=c))
+            steps.append(backend.decode(0, q, cache[0, 0], cache[1, 0], kernel_metadata(tables, seq, counters=c),
+                                        scale=0.125))
         outs.append(torch.cat([prompt_out.cpu(), torch.stack(steps).cpu().flatten(0, 1)]))
         counters.append({key: float(val) for key, val in c.items()})
     check_close(outs[1], outs[0])
@@ -257,9 +258,10 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     with RoPE in one launch and then calls the backend's `post_store`, which must leave the pages and
     the quantized keys (codes, scales, residuals) as RoPE followed by the backend's own store does.
     The compact layout (a page map) keeps the unfused write."""
+    from engine.attention.backend import AttentionBackend
     from engine.attention.layer import Attention, AttentionMetadata, forward_context
     from engine.config import FlashDecodingConfig
-    from engine.attention.ffd import make_ffd_backend
+    from engine.attention.select import make_attention_backend
     from engine.model.layers import RotaryEmbedding
     fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=2.0, ffd_crossover_tokens=4096)
     rope = RotaryEmbedding(64, 64, max_position=512, base=10000.0).to(DEV)
@@ -278,11 +280,11 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
                              max_query_len=150, is_decode_only=False)
     results = []
     for fused in (True, False):
-        backend = make_ffd_backend(fd, torch.device("cpu"), "cpu")
+        backend = make_attention_backend(fd, torch.device("cpu"), "cpu")
         backend.triton = True
         cache = torch.zeros(2, 1, 8, 64, kv_heads, 64, device=DEV)
-        backend.allocate_cache(cache[0], cache[1])
-        assert backend.fuse_rope_store and backend.post_store is not None
+        backend.allocate(cache[0], cache[1])
+        assert backend.fuse_rope_store and type(backend).post_store is not AttentionBackend.post_store
         backend.fuse_rope_store = fused
         layer = Attention(heads, kv_heads, 64, 0.125, layer_idx=0)
         layer.k_cache, layer.v_cache = cache[0, 0], cache[1, 0]
@@ -301,10 +303,10 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
         else:
             check_close(got, want)
     check_close(out_f, out_u)
-    compact = make_ffd_backend(FlashDecodingConfig(kernel="ffd", ffd_block_size=64), torch.device("cpu"), "cpu")
+    compact = make_attention_backend(FlashDecodingConfig(kernel="ffd", ffd_block_size=64), torch.device("cpu"), "cpu",
+                                     max_num_seqs=2, max_num_batched_tokens=256)
     compact.triton = True
-    compact.size_exact_pool(2, 256)
-    compact.allocate_cache(torch.zeros(1, compact.key_cache_pages(8), 64, kv_heads, 64, device=DEV),
+    compact.allocate(torch.zeros(1, compact.key_cache_pages(8), 64, kv_heads, 64, device=DEV),
                            torch.zeros(1, 8, 64, kv_heads, 64, device=DEV))
     assert compact.exact is not None and not compact.fuse_rope_store
 

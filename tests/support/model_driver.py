@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend
+from engine.attention.layer import Attention, AttentionMetadata, forward_context
+from engine.attention.torch_reference import ReferenceBackend
 
 
 class PagedModelDriver:
@@ -18,7 +20,7 @@ class PagedModelDriver:
                  backend: AttentionBackend | None = None, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
-        self.backend = backend or AttentionBackend(name="reference")
+        self.backend = backend or ReferenceBackend()
         param = next(model.parameters())
         self.device = param.device
         layers = [m for m in model.modules() if isinstance(m, Attention)]
