@@ -55,7 +55,7 @@ class DecodeConfig:
     page_window: int = 0       # >0: page ids of this many pages held in registers per window
     ctas_per_sm: int = 0       # CTAs per SM the split heuristic fills; 0 = the compiled kernel's occupancy
     min_chunk: int = 128       # fewest KV tokens a split is given (bounds partial traffic)
-    max_splits: int = 128      # cap on splits per sequence (kernels.attention.flash_decoding.MAX_SPLITS at most)
+    max_splits: int = 128      # cap on splits per sequence (kernels.attention.decode_host.MAX_SPLITS at most)
     merge_warps: int = 4
     extra: dict[str, int] = field(default_factory=dict)   # vendor-only launch options
 

@@ -1,4 +1,4 @@
-"""FlashDecoding++ asynchronous softmax over paged KV: one unified max φ, no merge pass.
+"""FlashDecoding++ asynchronous softmax over paged KV: one unified max φ, no merge pass, as plan + run.
 
 Every split exponentiates its scores against the same φ (log2 units inside the kernel), so its
 partial (Σ 2^(s-φ)·v, Σ 2^(s-φ)) needs no rescale and partials add as plain sums. The splits
@@ -16,19 +16,22 @@ LO <= M - φ <= HI (`kernels.attention.reference.safe_window`) and the sum must 
 Flagged rows are counted in `stats[0]` either way; with `fallback` the last split recomputes its
 KV head's rows exactly (one program walks the whole sequence: slow, and meant to be rare).
 
-Measured on the H200 (bench/RESULTS.md): equal to flash at long contexts and large batches, and
-6-14 % slower at B=1, L <= 16K. Decode is bandwidth-bound, so the rescale it removes was never
-on the critical path, and its atomic combine costs more than flash's one-pass merge kernel.
+Decode is bandwidth-bound, so the rescale this removes is not on the critical path; how it compares
+with flash on the H200 is in bench/RESULTS.md.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.flash_decoding import (LOG2E, attend, check_shapes, load_q_rows, resolve_splits,
-                                    rows_per_tile, split_plan, store_rows)
+from kernels.attention.decode_host import (check_plan_shapes, check_shapes, contiguous_strides, probe_tensors,
+                                           resolve_splits, rows_per_tile)
 from kernels.attention.reference import safe_window
+from kernels.attention.splitkv import LOG2E, attend, load_q_rows, split_plan, store_rows
 from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting
 
 
@@ -153,6 +156,101 @@ def new_stats(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
+@dataclass(frozen=True, eq=False)
+class FdppDecodePlan:
+    """The host work of one step's FlashDecoding++ decode, shared by every layer of the step (the
+    layers run one after the other on one stream, and each launch leaves the workspace zeroed).
+
+    A CUDA graph that captures `run_fdpp_decode` freezes this plan's workspaces and split count."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    estimate_phi: bool               # ESTIMATE: φ from the sink + window tokens; else every run passes phi
+    max_splits: int
+    min_chunk: int
+    lo_win: float                    # the safe window of `row max - φ` for kv_dtype
+    hi_win: float
+    consts: dict[str, Any]           # the kernel's constexprs
+    launch: dict[str, Any]           # its launch options
+    workspace: tuple[torch.Tensor, ...]   # (acc, l, m, count), zeroed between launches (`_Workspace`)
+    scratch_stats: torch.Tensor | None    # the counter of runs given no `stats`
+
+    @property
+    def shapes(self) -> tuple[int, ...]:
+        return (self.batch, self.num_heads, self.head_dim, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def plan_fdpp_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     max_blocks: int, *, dtype: torch.dtype, device: torch.device,
+                     kv_dtype: torch.dtype | None = None, num_splits: int | None = None, estimate_phi: bool = True,
+                     fallback: bool = True, phi_sink: int = 4, phi_window: int = 28,
+                     config: DecodeConfig | None = None) -> FdppDecodePlan:
+    """Plan a decode of q [batch, num_heads, head_dim] (`dtype`) over pages [N, block_size, num_kv_heads,
+    head_dim] (`kv_dtype`, default `dtype`) through block tables [batch, max_blocks]. `estimate_phi`: runs
+    pass phi=None and φ is estimated from `phi_sink` + `phi_window` tokens (sum a power of two >= 16);
+    False: every run passes its φ. `num_splits` None/0: the wave heuristic (on a GPU from the compiled
+    kernel's occupancy, compiled here once per specialisation)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    cfg = config or configs_for(device).decode
+    check_launch_options(cfg.extra, device)
+    est_n = phi_sink + phi_window
+    lo_win, hi_win = safe_window(kv_dtype)
+    if batch == 0:
+        return FdppDecodePlan(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, estimate_phi,
+                              1, 0, lo_win, hi_win, {}, {}, (), None)
+    if estimate_phi and (est_n < 16 or est_n & (est_n - 1)):
+        raise ValueError(f"phi_sink + phi_window must be a power of two >= 16; got {est_n}")
+    workspace = _Workspace.get(device, batch, num_heads, num_kv_heads, head_dim)
+    group = num_heads // num_kv_heads
+    min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
+    consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
+                  D=head_dim, PAGE=block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=estimate_phi, EST_SINK=phi_sink,
+                  EST_N=est_n, FALLBACK=bool(fallback), PAGE_WINDOW=cfg.page_window)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+
+    def probe_args() -> tuple:
+        q, kv, table, lens, stats = probe_tensors(device, dtype, kv_dtype, torch.int32, torch.int32, torch.int64)
+        q_strides, kv_strides, bt_stride = contiguous_strides(batch, num_heads, num_kv_heads, head_dim, block_size,
+                                                              max_blocks)
+        return (q, kv, kv, table, lens, q, *workspace, stats, *q_strides, *kv_strides, bt_stride, *q_strides,
+                LOG2E, 0.0, lo_win, hi_win, 2, min_chunk)
+
+    max_splits = resolve_splits(num_splits, batch, num_kv_heads, device, cfg, _fdpp_kernel,
+                                (dtype, kv_dtype, tuple(consts.items()), tuple(launch.items())),
+                                probe_args, {**consts, **launch})
+    return FdppDecodePlan(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, estimate_phi,
+                          max_splits, min_chunk, lo_win, hi_win, consts, launch, workspace, new_stats(device))
+
+
+def run_fdpp_decode(plan: FdppDecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, phi: float | None = None,
+                    stats: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's decode under `plan`: out[B, Hq, D]. `phi` in scaled-score units (natural log): None
+    exactly when the plan estimates φ. `stats` (int64, from `new_stats`) gains the number of rows outside
+    the safe window; counting is graph-safe. The tensors must have the layouts `check_shapes` accepts
+    (checked once by the caller, not here) and the plan's shapes (checked here)."""
+    check_plan_shapes("fdpp decode", plan.shapes, q, k_cache)
+    if (phi is None) != plan.estimate_phi:
+        raise ValueError(f"this fdpp plan {'estimates' if plan.estimate_phi else 'takes'} φ; got phi={phi!r}")
+    out = torch.empty_like(q) if out is None else out
+    if plan.batch == 0:
+        return out
+    stats = plan.scratch_stats if stats is None else stats
+    _fdpp_kernel[(plan.batch, plan.num_kv_heads, plan.max_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, *plan.workspace, stats,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        0.0 if phi is None else float(phi) * LOG2E, plan.lo_win, plan.hi_win, plan.max_splits, plan.min_chunk,
+        **plan.consts, **plan.launch)
+    return out
+
+
 def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                 num_splits: int | None = None, phi: float | None = None, fallback: bool = True,
@@ -161,35 +259,12 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Decode with the unified-max softmax. `phi` in scaled-score units (natural log), None =
     estimate from `phi_sink` + `phi_window` tokens (sum a power of two >= 16). `stats` (int64,
     from `new_stats`) gains the number of rows outside the safe window; counting is graph-safe.
+    Plans and runs.
     """
     batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
-    cfg = config or configs_for(q.device).decode
-    check_launch_options(cfg.extra, q.device)
-    out = torch.empty_like(q) if out is None else out
-    if batch == 0:
-        return out
-    est_n = phi_sink + phi_window
-    if phi is None and (est_n < 16 or est_n & (est_n - 1)):
-        raise ValueError(f"phi_sink + phi_window must be a power of two >= 16; got {est_n}")
-    stats = new_stats(q.device) if stats is None else stats
-    ws_acc, ws_l, ws_m, ws_count = _Workspace.get(q.device, batch, num_heads, num_kv_heads, head_dim)
-    lo_win, hi_win = safe_window(v_cache.dtype)
-    group = num_heads // num_kv_heads
-    min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
-    consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
-                  D=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=phi is None, EST_SINK=phi_sink,
-                  EST_N=est_n, FALLBACK=bool(fallback), PAGE_WINDOW=cfg.page_window)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
-
-    def args(max_splits):
-        return (q, k_cache, v_cache, block_tables, seq_lens, out, ws_acc, ws_l, ws_m, ws_count, stats,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-                0.0 if phi is None else float(phi) * LOG2E, lo_win, hi_win, max_splits, min_chunk)
-
-    max_splits = resolve_splits(num_splits, batch, num_kv_heads, q.device, cfg, _fdpp_kernel,
-                                (q.dtype, k_cache.dtype, tuple(consts.items()), tuple(launch.items())),
-                                args(2), {**consts, **launch})
-    _fdpp_kernel[(batch, num_kv_heads, max_splits)](*args(max_splits), **consts, **launch)
-    return out
+    plan = plan_fdpp_decode(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
+                            dtype=q.dtype, device=q.device, kv_dtype=v_cache.dtype, num_splits=num_splits,
+                            estimate_phi=phi is None, fallback=fallback, phi_sink=phi_sink, phi_window=phi_window,
+                            config=config)
+    return run_fdpp_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, phi=phi, stats=stats,
+                           out=out)

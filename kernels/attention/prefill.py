@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.flash_decoding import LOG2E, load_kv_tile
+from kernels.attention.splitkv import LOG2E, load_kv_tile
 from kernels.vendor import PrefillConfig, check_launch_options, configs_for, interpreting
 
 

@@ -39,7 +39,7 @@ from kernels.attention.kv_store import key_page
 from kernels.vendor import interpreting
 
 TILE_ROWS = 64           # query rows (queries x padded group) of one program; 32 at head_dim 256
-PREFILL_WARPS = 4        # H200 sweep at 32K (bench/RESULTS.md): 4 warps x 64 rows beat 8 warps by ~25 %
+PREFILL_WARPS = 4        # 4 warps x 64 rows beat 8 warps in the H200 sweep (bench/RESULTS.md)
 
 
 @triton.jit
@@ -175,8 +175,8 @@ def _ffd_prefill_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
                     r0, r1, r2, r3 = _load_residual(RES, qbase, BS, D, D4)
                     raw = _res_dots(sel, q0, q1, q2, q3, s0, s1, s2, s3, r0, r1, r2, r3, UPCAST)
                     z = tl.where(keep[:, None], raw * scale_log2, z)
-            # `_page_scores`' exact part, inline and after the quantized branch: computed first through
-            # `_page_scores` it ran ~10 % slower on the H200 (longer-lived scores)
+            # `_page_scores`' exact part, inline and after the quantized branch: computed first, its
+            # scores live longer and the loop runs slower
             if blk >= nq_lo:
                 k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
                 ze = tl.dot(q, tl.trans(k)) * scale_log2

@@ -165,9 +165,8 @@ def _scan_block_max(qt0, qt1, qt2, qt3, q_unit, CODES, SCALES, bt_row, blks, ok,
     int32 dot minus 1.5 * the sum of the rounded q side is exactly the level dot of the rounded q
     side, scaled back by q_unit * s_max. SUM_BY_MMA: that sum is an int8 MMA of an all-ones operand
     with the q side (every one of its 16 rows is the sum, exact), 4 more IMMA instead of the q side
-    recomputed in a second register layout and reduced over the channels (Triton 3.6, sm_90: 525
-    instead of 579 instructions per step; `scan_sum_by_mma` says where it is faster). Interpreter: the exact levels
-    in fp32 (q_unit = 1)."""
+    recomputed in a second register layout and reduced over the channels (fewer instructions per step;
+    `scan_sum_by_mma` says where it is faster). Interpreter: the exact levels in fp32 (q_unit = 1)."""
     s0, s1, s2, s3, byte = _scan_step_loads(CODES, SCALES, bt_row, blks, ok, hk, NUM_KV_HEADS, BS, D, D4)
     if UPCAST:
         raw = tl.zeros([BPP, BS, SCAN_N], tl.float32)                         # q.k over [BPP, tokens, rows]
@@ -263,8 +262,7 @@ def _scan_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, PM, BMAX, FLAGS, MA
     scan program's loop), take th = max over the slices - δ and turn its stored maxes into keep
     flags. SYNC (int32, zero between calls): [kept-block total, READY per row]; the merge zeroes
     both (it runs after this launch has finished). The kept-block count is a relaxed atomic: only
-    later launches read it, so a fence per program would buy nothing (H200, ncu, B = 1, 128K: the
-    two acq_rel atomics that ended each program took 16 % of its warp time)."""
+    later launches read it, so a fence per program would buy nothing but warp time."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     z = tl.program_id(2)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import kernels.ffd.decode as ffd_mod
-from kernels.ffd.decode import attend_slots, ffd_decode, ffd_sync_buffer
+from kernels.ffd.decode import attend_slots, ffd_decode, ffd_sync_buffer, plan_ffd_decode, run_ffd_decode
 from kernels.ffd.ptx import (
     INT8_Q_MAX,
     INT_ROUND,
@@ -473,6 +473,43 @@ def test_sync_buffer_is_left_zero_and_serves_every_call():
             assert not sync.any(), sync.tolist()
     with pytest.raises(ValueError, match="sync"):
         run(case, p, sync=ffd_sync_buffer(1, 2, DEV))
+
+
+def test_one_ffd_plan_serves_two_layers():
+    """`plan_ffd_decode` once, `run_ffd_decode` on two layers' pages (fresh random data, a tail of 1,
+    a length on a page boundary, a short row): each layer's output, masks and counters equal
+    `ffd_decode`'s bit for bit (interpreter) and the torch rule's; the plan's counters stay zero."""
+    bs = 64
+    lens = [3 * bs + 1, 2 * bs, bs - 1]
+    layers = [to_dev(paged_case(lens, bs=bs, kv_heads=2, group=2, dim=64, seed=60 + i)) for i in range(2)]
+    p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
+    q, k, _, _, tables, _ = layers[0]
+    plan = plan_ffd_decode(len(lens), q.shape[1], k.shape[2], q.shape[2], bs, tables.shape[1], dtype=q.dtype,
+                           device=DEV, params=p, count_stats=True, write_masks=True)
+    for case in layers:
+        q, k, v, qp, tables, seq = case
+        runs = []
+        for planned in (True, False):
+            masks = torch.full((len(lens), k.shape[2], tables.shape[1]), -1, dtype=torch.int8, device=DEV)
+            stats = torch.zeros(2, dtype=torch.int64, device=DEV)
+            if planned:
+                out = run_ffd_decode(plan, q, k, v, qp.codes, qp.scales, qp.residual, tables, seq, scale=0.125,
+                                     stats=stats, masks=masks)
+            else:
+                out = run(case, p, stats=stats, masks=masks)
+            runs.append((out, masks, stats))
+        (out, masks, stats), (alone, alone_masks, alone_stats) = runs
+        assert torch.equal(masks, alone_masks) and torch.equal(stats, alone_stats)
+        assert torch.equal(out, alone) if EXACT else check_close(out, alone) < REL_L2
+        ref_masks, ref_stats = [], {}
+        ref = ffd_decode_ref(q.cpu(), k.cpu(), v.cpu(), qp_cpu(qp), tables.cpu(), seq.cpu(), scale=0.125, params=p,
+                             stats=ref_stats, masks=ref_masks)
+        diff = check_masks(masks, ref_masks, lens, bs)
+        check_stats(stats, ref_stats, masks, lens, bs)
+        check_close(out, ref, bound=REL_L2 if diff == 0 else 5e-2)
+        assert not plan.sync.any()
+    with pytest.raises(ValueError, match="stats=True"):
+        run_ffd_decode(plan, q, k, v, qp.codes, qp.scales, qp.residual, tables, seq, scale=0.125)
 
 
 def test_pdl_where_the_gpu_has_none_is_an_error():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import (check_vendor, choose_num_splits, decode_attention, decode_reference, detect_vendor,
-                     new_stats, prefill_attention, prefill_attention_ref, store_kv, store_kv_ref)
+                     new_stats, plan_decode, prefill_attention, prefill_attention_ref, run_decode, store_kv,
+                     store_kv_ref)
 from kernels.attention.reference import split_plan
 from kernels.vendor import DecodeConfig, vendor_configs
 
@@ -97,6 +98,42 @@ def test_decode_with_page_windows(variant, page):
                            config=DecodeConfig(block_n=32, min_chunk=64, num_stages=1, page_window=4))
     ref = decode_reference(q, k, v, tables, seq_lens, scale=0.125, variant="standard")
     assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("variant, num_splits", [("standard", None), ("flash", 3), ("flash", None), ("fdpp", 3)])
+def test_one_plan_serves_two_layers(variant, num_splits):
+    """`plan_decode` once, `run_decode` on two layers' caches (fresh random data, odd lengths and
+    lengths on page boundaries): each layer equals `decode_attention` on it bit for bit (interpreter)
+    and the torch reference; the plan's workspaces are shared by the layers."""
+    lens, hq, hkv, d, page = [1, 31, 32, 33, 97], 4, 2, 32, 16
+    layers = [paged_batch(lens, hq, hkv, d, page, seed=40 + i) for i in range(2)]
+    q, k, _, tables, _ = layers[0]
+    plan = plan_decode(len(lens), hq, hkv, d, page, tables.shape[1], dtype=q.dtype, device=q.device,
+                       variant=variant, num_splits=num_splits, config=SMALL)
+    for q, k, v, tables, seq_lens in layers:
+        extra = {"stats": new_stats(q.device)} if variant == "fdpp" else {}
+        out = run_decode(plan, q, k, v, tables, seq_lens, scale=d ** -0.5, **extra)
+        alone = decode_attention(q, k, v, tables, seq_lens, scale=d ** -0.5, variant=variant, num_splits=num_splits,
+                                 config=SMALL, **({"stats": new_stats(q.device)} if variant == "fdpp" else {}))
+        ref = decode_reference(q, k, v, tables, seq_lens, scale=d ** -0.5, variant="standard")
+        assert torch.equal(out, alone) if DEVICE == "cpu" else rel_err(out, alone) < TOL32
+        assert rel_err(out, ref) < TOL32
+        if variant == "fdpp":
+            assert int(extra["stats"][0]) == 0
+
+
+def test_a_plan_refuses_other_shapes_and_options():
+    q, k, v, tables, seq_lens = paged_batch([40, 9], 4, 2, 32, 16, seed=44)
+    flash = plan_decode(2, 4, 2, 32, 16, tables.shape[1], dtype=q.dtype, device=q.device, variant="flash",
+                        num_splits=2, config=SMALL)
+    with pytest.raises(ValueError, match="do not match"):
+        run_decode(flash, q[:1], k, v, tables[:1], seq_lens[:1], scale=0.125)
+    with pytest.raises(ValueError, match="fdpp plan only"):
+        run_decode(flash, q, k, v, tables, seq_lens, scale=0.125, phi=1.0)
+    fdpp = plan_decode(2, 4, 2, 32, 16, tables.shape[1], dtype=q.dtype, device=q.device, variant="fdpp",
+                       num_splits=2, config=SMALL)
+    with pytest.raises(ValueError, match="estimates"):
+        run_decode(fdpp, q, k, v, tables, seq_lens, scale=0.125, phi=1.0)
 
 
 def test_split_plan_covers_every_token_once():
