@@ -2,10 +2,10 @@
 
 The choice comes from a crossover table measured on this GPU by `fdserve tune` and stored as JSON
 (one file per GPU name); without one, a table measured on the same GPU model and shipped in this
-package (`kernels/matmul_table-<gpu>.json`, Llama-3.1-8B shapes) is used. Between two measured M the kernel is used only when both neighbours chose
-a kernel (and with the larger neighbour's config); anything unmeasured, M > MAX_DECODE_M, another
-GPU's or dtype's table, or no table at all means cuBLAS (`F.linear`), and `describe()` says which,
-so the startup log always shows what runs. Under CUDA graphs the lookup happens at capture time.
+package (`kernels/matmul_table-<gpu>.json`, Llama-3.1-8B shapes) is used. Between two measured M the kernel
+is used only when both neighbours chose a kernel (and with the larger neighbour's config); anything unmeasured,
+M > MAX_DECODE_M, another GPU's or dtype's table, or no table at all means cuBLAS (`F.linear`), and `describe()`
+says which, so the startup log always shows what runs. Under CUDA graphs the lookup happens at capture time.
 """
 from __future__ import annotations
 

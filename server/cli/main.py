@@ -19,8 +19,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from engine.config import ConfigError, FdserveConfig, find_default_config, load_config
 from server import __version__

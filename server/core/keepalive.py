@@ -7,7 +7,8 @@ long, so writers send a keep-alive event (Anthropic's `ping`) at each marker.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncGenerator, AsyncIterator, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeVar
 
 T = TypeVar("T")
 

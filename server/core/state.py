@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine.config import FdserveConfig
 from engine.request.outputs import EngineStats
 from server.core.errors import APIError, model_not_found, unavailable
-from server.openai.logprobs import TokenTexts
 from server.core.metrics import ServerMetrics
+from server.openai.logprobs import TokenTexts
 
 logger = logging.getLogger("fdserve.server")
 

@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.openai.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
-from server.openai.constraints import constraint_processors
 from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
+from server.core.state import ServerState
+from server.core.streaming import DONE, sse, sse_error
+from server.openai.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
+from server.openai.constraints import constraint_processors
 from server.openai.logprobs import TokenTexts, chat_logprobs
 from server.openai.prompts import encode_prompt, render_chat
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.reasoning import ReasoningSplit, reasoning_split
 from server.openai.respond import CLIENT_CLOSED, respond, usage
 from server.openai.sampling import build_params, max_tokens_for
-from server.core.state import ServerState
-from server.core.streaming import DONE, sse, sse_error
 from server.openai.tools import ToolPlan, plan_tools, template_info
 
 

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.openai.constraints import constraint_processors
 from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
+from server.core.state import ServerState
+from server.core.streaming import DONE, sse, sse_error
+from server.openai.constraints import constraint_processors
 from server.openai.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.openai.protocol import CompletionRequest
 from server.openai.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.openai.sampling import build_params, max_tokens_for
-from server.core.state import ServerState
-from server.core.streaming import DONE, sse, sse_error
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 

@@ -55,7 +55,7 @@ class CompletionLogprobs:
         """Tokens with their entries; a token without one (an echoed prompt's first) gets null, as
         OpenAI reports it."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries):
+        for token_id, entry in zip(token_ids, entries, strict=False):
             token = self._texts(token_id)
             tokens.append(token)
             token_logprobs.append(None if entry is None else _finite(entry.logprob))

@@ -1,7 +1,8 @@
 """What chat and legacy completions share: running a prepared request and answering it."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,7 +46,8 @@ def choice_error(delta: CompletionDelta, error: str | None) -> APIError | None:
     return None
 
 
-async def _unless_disconnected(request: Request, gen: Generation, work: Awaitable[T]) -> tuple[T | None, Response | None]:
+async def _unless_disconnected(request: Request, gen: Generation,
+                               work: Awaitable[T]) -> tuple[T | None, Response | None]:
     """(result, None), or (None, the response for a client that left); API errors are logged, re-raised."""
     try:
         return await until_disconnected(request, work), None

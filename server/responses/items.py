@@ -66,10 +66,12 @@ class OutputItems:
         where = self._where(item)
         kind = item["type"]
         if kind == "reasoning":
-            events = [("response.reasoning_text.done", {**where, "content_index": 0, "text": item["content"][0]["text"]})]
+            text = item["content"][0]["text"]
+            events = [("response.reasoning_text.done", {**where, "content_index": 0, "text": text})]
         elif kind == "message":
             part = item["content"][0]
-            events = [("response.output_text.done", {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
+            events = [("response.output_text.done",
+                       {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
         elif kind == "function_call":
             item["arguments"] = item["arguments"] or "{}"

@@ -210,8 +210,8 @@ def test_auto_rows_below_the_crossover_are_dense(num_splits):
 def test_backend_glue_triton_equals_reference():
     """The engine backend's Triton path (store, quantize on write, prefill, decode, counters)
     against its torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
-    from engine.config import FlashDecodingConfig
     from engine.attention.ffd import make_ffd_backend
+    from engine.config import FlashDecodingConfig
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
     gen = torch.Generator().manual_seed(2)
     backends = [make_ffd_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
@@ -219,16 +219,19 @@ def test_backend_glue_triton_equals_reference():
     for backend in backends:    # every exact K page kept (the "auto" layout); the pool: test_ffd_compact.py
         backend.compact = False
     kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
-    for backend, cache in zip(backends, kv):
+    for backend, cache in zip(backends, kv, strict=True):
         backend.allocate_cache(cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
-    slot = lambda b, p: int(tables[b, p // 64]) * 64 + p % 64
+
+    def slot(b: int, p: int) -> int:
+        return int(tables[b, p // 64]) * 64 + p % 64
+
     slots = torch.tensor([slot(b, p) for b, n in enumerate(lens) for p in range(n)], device=DEV)
     k = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     v = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     outs, counters = [], []
-    for backend, cache in zip(backends, kv):
+    for backend, cache in zip(backends, kv, strict=True):
         backend.store_kv(k, v, cache[0, 0], cache[1, 0], slots)
         qsl = torch.tensor([0, 200, 330, 393], dtype=torch.int32, device=DEV)
         q_prompt = torch.randn(len(slots), 8, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
@@ -257,9 +260,9 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     with RoPE in one launch and then calls the backend's `post_store`, which must leave the pages and
     the quantized keys (codes, scales, residuals) as RoPE followed by the backend's own store does.
     The compact layout (a page map) keeps the unfused write."""
+    from engine.attention.ffd import make_ffd_backend
     from engine.attention.layer import Attention, AttentionMetadata, forward_context
     from engine.config import FlashDecodingConfig
-    from engine.attention.ffd import make_ffd_backend
     from engine.model.layers import RotaryEmbedding
     fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=2.0, ffd_crossover_tokens=4096)
     rope = RotaryEmbedding(64, 64, max_position=512, base=10000.0).to(DEV)
@@ -295,7 +298,7 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     check_close(cache_f[0], cache_u[0])                           # rotated K: one rounding order apart
     written = torch.tensor([3, 1, 5], device=DEV)                 # the three full blocks were quantized
     assert quant_f[1][0, written].abs().sum(-1).min() > 0
-    for got, want in zip(quant_f, quant_u):
+    for got, want in zip(quant_f, quant_u, strict=False):
         if got.dtype == torch.uint8:                              # 2-bit codes: at most a few ties
             assert (got != want).float().mean() < 1e-3
         else:
@@ -435,8 +438,9 @@ def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monk
         read.append(key[0])
         return resident_ctas(kernel, key, *args)
     monkeypatch.setattr(ffd_mod, "resident_ctas", recording)
-    masks = same_bits_under(monkeypatch, case, p, [{"SCAN_SUM_BY_MMA": by_mma, "SCAN_WAVE_MIN_STEPS": wave_steps}
-                                                   for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))])
+    variants = [{"SCAN_SUM_BY_MMA": by_mma, "SCAN_WAVE_MIN_STEPS": wave_steps}
+                for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))]
+    masks = same_bits_under(monkeypatch, case, p, variants)
     assert int((masks == 0).sum()) > 0 and int((masks == 1).sum()) > 0
     assert ("ffd_scan" in read) == (DEV.type == "cuda")
 
@@ -515,7 +519,10 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
 
 def _bf16_fma(a: int, b: int, c: int) -> int:
     """bf16 bits of a * b + c on bf16 bits, rounded once to nearest even (finite normal results)."""
-    value = lambda h: struct.unpack(">f", struct.pack(">I", h << 16))[0]
+
+    def value(h: int) -> float:
+        return struct.unpack(">f", struct.pack(">I", h << 16))[0]
+
     mant, exp = math.frexp(value(a) * value(b) + value(c))        # exact in float64 for bf16 operands
     rounded = math.ldexp(round(mant * 256), exp - 8)               # 8 significant bits, ties to even
     return struct.unpack(">I", struct.pack(">f", rounded))[0] >> 16
@@ -524,7 +531,10 @@ def _bf16_fma(a: int, b: int, c: int) -> int:
 def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     """The few b32 PTX instructions our asm strings use, on Python ints ($N operands by name)."""
     regs = dict(inputs)
-    val = lambda x: regs[x] if x in regs else int(x, 0)
+
+    def val(x: str) -> int:
+        return regs[x] if x in regs else int(x, 0)
+
     mask = 0xFFFFFFFF
     for ins in asm.strip().strip("{}").split(";"):
         ins = ins.strip()
