@@ -78,7 +78,7 @@ class ContentBlocks:
         events = self.close()
         self.blocks.append(block)
         self._open = block
-        empties = {"tool_use": {"input": {}}, "thinking": {"thinking": "", "signature": ""}}
+        empties: dict[str, dict[str, Any]] = {"tool_use": {"input": {}}, "thinking": {"thinking": "", "signature": ""}}
         empty = empties.get(block["type"], {"text": ""})
         shown = {**block, **empty}
         events.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,

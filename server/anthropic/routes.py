@@ -27,7 +27,8 @@ router = APIRouter()
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 async def _answered(work: Callable[[], Awaitable[Response]]) -> Response:

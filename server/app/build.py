@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 
@@ -13,6 +12,7 @@ from server import __version__
 from server.anthropic.routes import router as messages_router
 from server.app.auth import APIKeyMiddleware
 from server.app.limits import BodyLimitMiddleware
+from server.core.engine_client import EngineClient
 from server.core.errors import install_error_handlers
 from server.core.openapi import install_openapi
 from server.core.state import EngineFactory, ServerState, default_engine_factory
@@ -23,7 +23,7 @@ DESCRIPTION = ("OpenAI-compatible LLM server. Every route also answers without t
                "With [api] api_key set, /v1 routes need `Authorization: Bearer <key>`.")
 
 
-def build_app(config: FdserveConfig, engine: Any | None = None,
+def build_app(config: FdserveConfig, engine: EngineClient | None = None,
               engine_factory: EngineFactory = default_engine_factory) -> FastAPI:
     """With `engine` given (tests), the app serves it and leaves its lifecycle to the caller;
     otherwise the model loads in the background at startup and is drained on shutdown."""

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
 from server.core.state import ServerState
@@ -59,18 +60,18 @@ class ChatRun:
         self.state = state
         self.req = req
         self.route = route  # in metrics and the log line: other protocols run chat requests too
-        self.engine: Any = None
+        self.engine: EngineClient           # set by render(), which checks the request against it
         self.id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.plan: ToolPlan | None = None
         self.reasoning: ReasoningSplit | None = None
-        self.texts: TokenTexts | None = None
+        self.texts: TokenTexts
 
     def render(self) -> list[int]:
         """Check the request against the engine and return its prompt's token ids."""
         req = self.req
         engine = self.engine = self.state.ready_engine()
-        self.texts = self.state.token_texts
+        self.texts = self.state.ready_token_texts()
         self.state.check_model(req.model)
         self.plan = plan_tools(req, template_info(engine.tokenizer))
         if self.plan.forced and req.response_format is not None and req.response_format.type != "text":

@@ -25,7 +25,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 async def parse_body(request: Request, model: type[Body], route: str) -> Body:

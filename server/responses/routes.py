@@ -26,7 +26,8 @@ INPUT_TOKENS_ROUTE = "input_tokens"
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 @router.post("/responses", openapi_extra=request_body(ResponsesRequest))
