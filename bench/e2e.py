@@ -24,10 +24,11 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.decode_budget import decode_warnings
 
@@ -87,7 +88,7 @@ def run_requests(engine: Any, prompts: list[list[int]], max_tokens: int,
 
     start = time.perf_counter()
     ids = [f"bench-{start:.6f}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
+    for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                               ignore_eos=True))
     first: dict[str, float] = {}
@@ -166,13 +167,14 @@ def measure_hf_baseline(config: Any, args: argparse.Namespace) -> dict[str, Any]
     from transformers import AutoConfig
 
     from bench.hf_generate import measure_transformers
-    from engine.worker.device import select_device, select_dtype
     from engine.model.loader import resolve_model_dir
     from engine.text.tokenizer import Tokenizer
+    from engine.worker.device import select_device, select_dtype
 
     model_dir = resolve_model_dir(config.model.name)
     device, _ = select_device(config.backend.gpu_vendor)
-    dtype = select_dtype(config.model.dtype, device, getattr(AutoConfig.from_pretrained(model_dir), "torch_dtype", None))
+    checkpoint_dtype = getattr(AutoConfig.from_pretrained(model_dir), "torch_dtype", None)
+    dtype = select_dtype(config.model.dtype, device, checkpoint_dtype)
     prompts = _prompt_maker(SimpleNamespace(tokenizer=Tokenizer.from_pretrained(model_dir)), args)
     return measure_transformers(model_dir, dtype, device, [prompts(r)[0] for r in range(args.repeat)],
                                 args.max_tokens)
@@ -360,9 +362,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the parsed `fdserve bench` command: table on stdout, JSON + PNG on disk."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fdserve never downloads
-    from engine.config import ConfigError
-
     from bench.serve import ServerUnreachable, format_serve_table, run_serve
+    from engine.config import ConfigError
 
     try:
         if args.mode == "serve":

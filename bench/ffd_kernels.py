@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import Timer, copy_bandwidth, time_sdpa  # noqa: E402
-from kernels.vendor import programmatic_launch  # noqa: E402
 from kernels.ffd.reference import FFDParams, QuantizedPages, dequantize_blocks_ref, ffd_decode_ref, quantize_blocks_ref  # noqa: E402
+from kernels.vendor import programmatic_launch  # noqa: E402
 
 BS = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"    # cpu: --smoke under the Triton interpreter
@@ -205,7 +205,8 @@ def run_checks(gen, smoke=False) -> list[dict]:
             c, s, r = quantize_blocks_ref(case.k[used])
             row["quant_codes_equal"] = bool(torch.equal(c, case.qp.codes[used]))
             row["quant_scales_equal"] = bool(torch.equal(s, case.qp.scales[used]))
-            row["quant_residual_mismatch"] = int((r.view(torch.uint8) != case.qp.residual[used].view(torch.uint8)).sum())
+            residual_differs = r.view(torch.uint8) != case.qp.residual[used].view(torch.uint8)
+            row["quant_residual_mismatch"] = int(residual_differs.sum())
             # δ = ∞: dense attention over the refined keys
             out = torch.full_like(case.q, float("nan"))
             ffd(case, params(math.inf), out=out)
@@ -222,7 +223,8 @@ def run_checks(gen, smoke=False) -> list[dict]:
             diff = sum(int((masks[b, :, :n // BS].cpu().bool() != ref_masks[b]).sum()) for b, n in enumerate(lens))
             unvisited = sum(int((masks[b, :, :n // BS] < 0).sum()) for b, n in enumerate(lens))
             row.update(d5_mask_mismatch=diff, d5_unvisited=unvisited, d5_all_written=bool(torch.isfinite(out).all()),
-                       d5_rel_err=rel(out, ref), d5_sparsity=1 - ref_stats["ffd_blocks_kept"] / ref_stats["ffd_blocks_total"],
+                       d5_rel_err=rel(out, ref),
+                       d5_sparsity=1 - ref_stats["ffd_blocks_kept"] / ref_stats["ffd_blocks_total"],
                        d5_stats_equal=stats.tolist() == [ref_stats["ffd_blocks_total"], ref_stats["ffd_blocks_kept"]])
             # graph replay with other lengths (device-side lengths): equal to eager
             if name == "llama3.1-8b" and DEV == "cuda":
@@ -495,6 +497,10 @@ def dump_real(length: int, layers: list[int]) -> None:
     from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
     from engine.attention.torch_reference import ReferenceBackend
     import gzip
+
+    from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
+
+    from engine.attention.layer import AttentionBackend
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_pretrained(model_dir)
     runner = Runner(load_model(model_dir, torch.float32, torch.device("cpu")))
@@ -519,7 +525,8 @@ def print_tables(report) -> None:
         for r in report["checks"]:
             print(f"| {r['shape']} | {r['lens']} | {r['quant_codes_equal']}/{r['quant_scales_equal']}/"
                   f"{r['quant_residual_mismatch']} | {r['inf_rel_err']:.1e} | {r['d5_mask_mismatch']} | "
-                  f"{r['d5_unvisited']} | {r['d5_rel_err']:.1e} | {r['d5_sparsity']:.3f} | {r.get('graph_equals_eager', '')} |")
+                  f"{r['d5_unvisited']} | {r['d5_rel_err']:.1e} | {r['d5_sparsity']:.3f} | "
+                  f"{r.get('graph_equals_eager', '')} |")
     if report.get("bench"):
         print(f"\ncopy bandwidth {report['copy_bw'] / 1e12:.2f} TB/s; µs, CUDA-graph replay, L2 cleaned")
         print("| data | B | L | sparsity | FFD | flash | SDPA | bound | FFD/bound | vs flash | vs SDPA | FFD rounds |")
@@ -537,7 +544,8 @@ def print_tables(report) -> None:
             print(f"| {r['L'] // 1024}K | {r['B']} | {r['auto_dense_us']:.1f} | {r['flash_us']:.1f} | "
                   f"{r['auto_over_flash']:.2f} | {r['rel_err_vs_flash']:.1e} |")
     if report.get("prefill"):
-        print("\n| data | L | chunk | decode sparsity | rel err vs rule | FFD prefill µs | flash prefill µs | FFD/flash |")
+        print("\n| data | L | chunk | decode sparsity | rel err vs rule | FFD prefill µs | flash prefill µs "
+              "| FFD/flash |")
         print("|---|---|---|---|---|---|---|---|")
         for r in report["prefill"]:
             err = f"{r['rel_err_vs_rule']:.1e}" if "rel_err_vs_rule" in r else "-"

@@ -218,8 +218,8 @@ CONTROLS = {"dense_bf16": {"kernel": "flash", "dtype": "bfloat16"}}
 def generated_agreement(starts: list[int], dense: list[list[int]], other: list[list[int]]) -> dict:
     """Position-wise agreement of two greedy continuations per prompt, and their common prefixes."""
     per_prompt = []
-    for start, a_ids, b_ids in zip(starts, dense, other):
-        same = [a == b for a, b in zip(a_ids, b_ids)]
+    for start, a_ids, b_ids in zip(starts, dense, other, strict=False):
+        same = [a == b for a, b in zip(a_ids, b_ids, strict=False)]
         prefix = next((i for i, s in enumerate(same) if not s), len(same))
         per_prompt.append({"start": start, "agreement": sum(same) / len(same), "common_prefix": prefix})
     return {"agreement": sum(r["agreement"] for r in per_prompt) / len(per_prompt),
@@ -234,7 +234,7 @@ def forced_on_generated(runner: Runner, starts: list[int], prompts: list[list[in
     dense rerun's own argmax is checked against its generation (`dense_matches_generated`: chunked
     prefill and step-by-step decode sum in different orders, so a near-tie may differ)."""
     rows: dict = {"per_prompt": []}
-    for start, prompt, gen in zip(starts, prompts, dense_gen):
+    for start, prompt, gen in zip(starts, prompts, dense_gen, strict=False):
         ids = prompt + gen[:-1]                           # position len(prompt) - 1 + i predicts gen[i]
         target = torch.tensor(gen)
         t0 = time.time()
@@ -250,7 +250,8 @@ def forced_on_generated(runner: Runner, starts: list[int], prompts: list[list[in
         rows["per_prompt"].append(row)
         print(f"forced on generated, prompt at {start}: dense rerun matches its generation "
               f"{row['dense_matches_generated']:.4f}; " + ", ".join(
-                  f"δ={d}: {r['agreement_with_generated']:.4f} (KL {r['kl_mean']:.2e})" for d, r in row["delta"].items())
+                  f"δ={d}: {r['agreement_with_generated']:.4f} (KL {r['kl_mean']:.2e})"
+                  for d, r in row["delta"].items())
               + f" ({row['seconds']:.0f} s)", flush=True)
     rows["mean"] = {d: {k: sum(r["delta"][d][k] for r in rows["per_prompt"]) / len(rows["per_prompt"])
                         for k in ("agreement_with_generated", "argmax_agreement", "kl_mean")}

@@ -139,7 +139,7 @@ class Timer:
             if i >= 5:
                 ends[i - 5].record()
         torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
         return 1000 * times[len(times) // 2]
 
 
@@ -198,8 +198,9 @@ def run_bench(timer, seed: int, copy_bw: float, cfg: DecodeConfig, pages=(16, 64
                 ref = reference_fp32(q, k, v, tables, seq_lens)
                 for name, opts in VARIANTS.items():
                     out = torch.empty_like(q)
-                    fn = lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE, out=out,  # noqa: E731
-                                                  config=cfg, **opts)
+                    # timed at once, in this iteration, before k and v are deleted (a late binding is wanted)
+                    fn = lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,  # noqa: E731, B023, F821
+                                                  out=out, config=cfg, **opts)  # noqa: B023
                     flushes = ("clean", "dirty") if page == 16 and name in ("flash", "fdpp") else ("clean",)
                     for flush in flushes:
                         row[f"{name}_p{page}_{flush}_us"] = timer(fn, flush)
@@ -250,8 +251,9 @@ def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
                 out = torch.empty_like(q)
                 row = {"page": page, "B": batch, "L": length, "variant": "flash", "config": repr(cfg)}
                 try:
-                    us = timer(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,  # noqa: B023
-                                                        variant="flash", out=out, config=cfg), reps=50)
+                    # timed at once, in this iteration, before k and v are deleted (a late binding is wanted)
+                    us = timer(lambda: decode_attention(q, k, v, tables, seq_lens, scale=SCALE,  # noqa: B023, F821
+                                                        variant="flash", out=out, config=cfg), reps=50)  # noqa: B023
                 except Exception as exc:   # a config that does not compile is data too
                     rows.append({**row, "error": str(exc)[:300]})
                     continue
@@ -265,7 +267,7 @@ def run_sweep(timer, seed: int, copy_bw: float) -> list[dict]:
 def print_sweep(rows: list[dict]) -> None:
     """One line per config: flash µs at each sweep shape."""
     shapes = sorted({(r["B"], r["L"]) for r in rows})
-    print("sweep (P=16), flash µs at " + ", ".join(f"B{b} L{l // K}K" for b, l in shapes))
+    print("sweep (P=16), flash µs at " + ", ".join(f"B{b} L{length // K}K" for b, length in shapes))
     for cfg in dict.fromkeys(r["config"] for r in rows):
         cells = []
         for shape in shapes:
@@ -284,7 +286,7 @@ def plot(bench: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, batch in zip(axes, (1, 8, 32)):
+    for ax, batch in zip(axes, (1, 8, 32), strict=True):
         rows = [r for r in bench if r["B"] == batch]
         xs = [r["L"] // K for r in rows]
         ax.plot(xs, [r["sdpa_clean_us"] for r in rows], "k--o", label="torch SDPA (contiguous)")
@@ -303,18 +305,20 @@ def plot(bench: list[dict], path: Path) -> None:
 def table(bench: list[dict], page: int, flush: str) -> str:
     head = ("| B | L | floor µs | SDPA µs (frac) | standard µs | flash µs (frac) | fdpp µs (frac) "
             "| fdpp φ fixed µs | flash/SDPA | flash/fdpp |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    p = f"_p{page}"
+
+    def cell(r: dict, name: str, frac: bool = True) -> str:
+        key = f"{name}{p}_{flush}_us" if name != "sdpa" else f"sdpa_{flush}_us"
+        if key not in r:
+            return "–"
+        return f"{r[key]:.1f}" + (f" ({r[key.replace('_us', '_frac')]:.2f})" if frac else "")
+
     lines = []
     for r in bench:
-        p = f"_p{page}"
-        def cell(name, frac=True):
-            key = f"{name}{p}_{flush}_us" if name != "sdpa" else f"sdpa_{flush}_us"
-            if key not in r:
-                return "–"
-            return f"{r[key]:.1f}" + (f" ({r[key.replace('_us', '_frac')]:.2f})" if frac else "")
         flash, fdpp = r.get(f"flash{p}_{flush}_us"), r.get(f"fdpp{p}_{flush}_us")
         lines.append(
-            f"| {r['B']} | {r['L'] // K}K | {r['kv_bytes'] / r['copy_bw'] * 1e6:.1f} | {cell('sdpa')} "
-            f"| {cell('standard', False)} | {cell('flash')} | {cell('fdpp')} | {cell('fdpp_phi', False)} "
+            f"| {r['B']} | {r['L'] // K}K | {r['kv_bytes'] / r['copy_bw'] * 1e6:.1f} | {cell(r, 'sdpa')} "
+            f"| {cell(r, 'standard', False)} | {cell(r, 'flash')} | {cell(r, 'fdpp')} | {cell(r, 'fdpp_phi', False)} "
             f"| {flash / r[f'sdpa_{flush}_us']:.2f} | {flash / fdpp:.2f} |")
     return head + "\n".join(lines)
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth  # noqa: E402
 from engine.tools.tune import DEFAULT_MS, GraphTimer, tune_shapes  # noqa: E402
-from kernels.gemm.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
 from kernels.gemm.dispatch import AdaptiveMatmul, MatmulTable, find_table_path, load_table  # noqa: E402
+from kernels.gemm.matmul import GEMV_MAX_M, flat_gemm, gemv  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}

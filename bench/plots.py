@@ -39,7 +39,7 @@ def plot_variants(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(rows) + 2), 4))
     bars = ax.bar(names, values, color=["#777777" if n == "standard" else "#2a7ab0" for n in names])
-    for bar, row in zip(bars, rows):
+    for bar, row in zip(bars, rows, strict=True):
         if not row["available"]:
             text = "n/a"
         else:

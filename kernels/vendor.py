@@ -95,7 +95,8 @@ _CONFIGS = {
         PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, extra=_amd_extra(2)),
     ),
     # The interpreter runs on the CPU: tiles as on NVIDIA, no pipelining to model.
-    "cpu": VendorConfigs("cpu", DecodeConfig(block_n=64, num_stages=1), PrefillConfig(block_m=16, block_n=32, num_stages=1)),
+    "cpu": VendorConfigs("cpu", DecodeConfig(block_n=64, num_stages=1),
+                         PrefillConfig(block_m=16, block_n=32, num_stages=1)),
 }
 
 
@@ -124,7 +125,7 @@ def programmatic_launch(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and _nvidia_sm90_or_later(device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvidia_sm90_or_later(index: int | None) -> bool:
     """Per device, once: `programmatic_launch` is asked on every FFD decode call (every layer, every step)."""
     return detect_vendor() == "nvidia" and torch.cuda.get_device_capability(index)[0] >= 9

@@ -78,7 +78,8 @@ class ContentBlocks:
         events = self.close()
         self.blocks.append(block)
         self._open = block
-        empty = {"tool_use": {"input": {}}, "thinking": {"thinking": "", "signature": ""}}.get(block["type"], {"text": ""})
+        empties: dict[str, dict[str, Any]] = {"tool_use": {"input": {}}, "thinking": {"thinking": "", "signature": ""}}
+        empty = empties.get(block["type"], {"text": ""})
         shown = {**block, **empty}
         events.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
                                                "content_block": shown}))

@@ -6,7 +6,7 @@ image and document blocks parse here and are refused by the translation with a c
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,7 +36,7 @@ class ToolUseBlock(_Lenient):
 class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Annotated[Union[TextBlock, MediaBlock], Field(discriminator="type")]], None] = None
+    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | None = None
     is_error: bool | None = None
 
 
@@ -46,13 +46,13 @@ class ThinkingBlock(_Lenient):
     type: Literal["thinking", "redacted_thinking"]
 
 
-ContentBlock = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock],
+ContentBlock = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
                          Field(discriminator="type")]
 
 
 class Message(_Lenient):
     role: Literal["user", "assistant", "system"]
-    content: Union[str, list[ContentBlock]]
+    content: str | list[ContentBlock]
 
     def blocks(self) -> list[Any]:
         if isinstance(self.content, str):
@@ -91,7 +91,7 @@ class Conversation(_Lenient):
 
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
-    system: Union[str, list[TextBlock], None] = None
+    system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None

@@ -5,7 +5,8 @@ APIErrors, body validation, and anything unexpected.
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,19 +15,20 @@ from server.anthropic.errors import error_response
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from server.anthropic.run import ROUTE, MessagesRun
 from server.anthropic.translate import chat_request
-from server.openai.chat import ChatRun
 from server.core.errors import APIError, from_engine_error
 from server.core.generation import log_rejected
 from server.core.openapi import request_body
+from server.core.state import ServerState
+from server.openai.chat import ChatRun
 from server.openai.respond import respond
 from server.openai.routes import parse_body
-from server.core.state import ServerState
 
 router = APIRouter()
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 async def _answered(work: Callable[[], Awaitable[Response]]) -> Response:

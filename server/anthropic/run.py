@@ -5,27 +5,28 @@ Usage follows Anthropic's accounting: prompt tokens served from the prefix cache
 on request, so `cache_creation_input_tokens` is 0. A stream's message_start carries the usage
 known when it opens; message_delta carries the final totals (the SDK takes them from there).
 
-Stream: message_start, ping (and one every few seconds while nothing else is sent), then per block content_block_start / content_block_delta* /
-content_block_stop, message_delta (stop_reason, stop_sequence, usage), message_stop. A failure
-once the stream is open is an `error` event, and the stream ends.
+Stream: message_start, ping (and one every few seconds while nothing else is sent), then per block
+content_block_start / content_block_delta* / content_block_stop, message_delta (stop_reason, stop_sequence,
+usage), message_stop. A failure once the stream is open is an `error` event, and the stream ends.
 """
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from server.anthropic.blocks import ContentBlocks, stop_reason
 from server.anthropic.errors import anthropic_error_body, error_message
 from server.anthropic.protocol import MessagesRequest
 from server.anthropic.translate import generation_request
-from server.openai.chat import ChatRun
-from server.openai.chat_stream import ChatDecoder, TurnUsage
 from server.core.errors import APIError
 from server.core.generation import Generation
 from server.core.keepalive import with_keepalive
-from server.openai.respond import CLIENT_CLOSED
 from server.core.state import ServerState
 from server.core.streaming import sse_event
+from server.openai.chat import ChatRun
+from server.openai.chat_stream import ChatDecoder, TurnUsage
+from server.openai.respond import CLIENT_CLOSED
 
 ROUTE = "messages"
 

@@ -17,11 +17,30 @@ import json
 from typing import Any
 
 from server.anthropic.billing import without_billing_header
-from server.anthropic.protocol import (MediaBlock, Message, MessagesRequest, TextBlock, ThinkingBlock,
-                                       ToolChoice, ToolResultBlock, ToolUseBlock, Conversation)
+from server.anthropic.protocol import (
+    Conversation,
+    MediaBlock,
+    Message,
+    MessagesRequest,
+    TextBlock,
+    ThinkingBlock,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from server.core.errors import bad_request
-from server.openai.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
-                             NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCall)
+from server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
 
 
 def _refuse_media(where: str, block: MediaBlock) -> None:

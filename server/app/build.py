@@ -2,8 +2,8 @@
 shapes, keys, body limit, lifecycle."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
@@ -11,19 +11,19 @@ from engine.config import FdserveConfig
 from server import __version__
 from server.anthropic.routes import router as messages_router
 from server.app.auth import APIKeyMiddleware
-from server.core.errors import install_error_handlers
 from server.app.limits import BodyLimitMiddleware
+from server.core.engine_client import EngineClient
+from server.core.errors import install_error_handlers
 from server.core.openapi import install_openapi
-from server.responses.routes import router as responses_router
-from server.openai.routes import router
 from server.core.state import EngineFactory, ServerState, default_engine_factory
-
+from server.openai.routes import router
+from server.responses.routes import router as responses_router
 
 DESCRIPTION = ("OpenAI-compatible LLM server. Every route also answers without the /v1 prefix. "
                "With [api] api_key set, /v1 routes need `Authorization: Bearer <key>`.")
 
 
-def build_app(config: FdserveConfig, engine: Any | None = None,
+def build_app(config: FdserveConfig, engine: EngineClient | None = None,
               engine_factory: EngineFactory = default_engine_factory) -> FastAPI:
     """With `engine` given (tests), the app serves it and leaves its lifecycle to the caller;
     otherwise the model loads in the background at startup and is drained on shutdown."""

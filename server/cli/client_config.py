@@ -204,7 +204,8 @@ def render_claude_code(s: ClientSettings) -> str:
         # Claude Code drops a stream with no output for 5 minutes unless told to wait longer:
         # export CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000 API_TIMEOUT_MS=1800000
         claude                 # or one prompt: claude -p "say hi"
-        """) + _context_warning(s) + "# the same, for ~/.claude/settings.json:\n" + json.dumps(settings, indent=2) + "\n")
+        """) + _context_warning(s) + "# the same, for ~/.claude/settings.json:\n"
+        + json.dumps(settings, indent=2) + "\n")
 
 
 def render_cc_switch(s: ClientSettings) -> str:

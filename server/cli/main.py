@@ -19,11 +19,15 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError, FdserveConfig, find_default_config, load_config, parse_overrides
 from server import __version__
+
+if TYPE_CHECKING:  # the server's modules load only when `serve` runs
+    from server.core.state import EngineFactory, ServerState
 
 Run = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -101,7 +105,7 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(config)
 
 
-def run_server(config: FdserveConfig, engine_factory: Any = None) -> int:
+def run_server(config: FdserveConfig, engine_factory: EngineFactory | None = None) -> int:
     """Serve until SIGTERM / SIGINT (0) or a failure: the model not loading (1), the engine
     stopping while serving (3). `engine_factory` builds the engine (default: AsyncEngine)."""
     import uvicorn
@@ -110,7 +114,7 @@ def run_server(config: FdserveConfig, engine_factory: Any = None) -> int:
     from server.core.state import default_engine_factory
 
     app = build_app(config, engine_factory=engine_factory or default_engine_factory)
-    state = app.state.fdserve
+    state: ServerState = app.state.fdserve
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
         access_log=False,  # one line per request comes from fdserve.requests instead
@@ -170,7 +174,8 @@ def _configure_tune(parser: argparse.ArgumentParser) -> None:
 
 @subcommand("tune", "time GEMV / flat GEMM / cuBLAS on this GPU; write the matmul crossover table", _configure_tune)
 def tune(args: argparse.Namespace) -> int:
-    return importlib.import_module("engine.tools.tune").run(config_from_args(args), args)
+    status: int = importlib.import_module("engine.tools.tune").run(config_from_args(args), args)
+    return status
 
 
 # ----- entry point -----------------------------------------------------------------------------

@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import Request
 
 from engine.request.outputs import RequestOutput
 from engine.request.sampling_params import SamplingParams
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, from_engine_error
 from server.core.metrics import ServerMetrics
 
 request_log = logging.getLogger("fdserve.requests")
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -28,7 +32,7 @@ class ClientDisconnected(Exception):
 
 
 class Generation:
-    def __init__(self, engine: Any, metrics: ServerMetrics, route: str, request_id: str,
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, route: str, request_id: str,
                  prompts: list[list[int]], params: SamplingParams, prompt_param: str = "messages") -> None:
         self.engine = engine
         self.metrics = metrics
@@ -38,8 +42,8 @@ class Generation:
         self.params = params
         self.prompt_param = prompt_param
         self._ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        self._streams: list[AsyncIterator[RequestOutput]] = []
-        self._first: list[asyncio.Future] = []  # each stream's first __anext__
+        self._streams: list[AsyncGenerator[RequestOutput, None]] = []
+        self._first: list[asyncio.Future[RequestOutput]] = []  # each stream's first __anext__
         self._closed = False
         # timing and usage
         self.arrival = time.monotonic()
@@ -128,7 +132,7 @@ class Generation:
             yield out
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int) -> None:
             try:
@@ -194,7 +198,7 @@ class Generation:
             ",".join(reasons) or "-", f" error={error!r}" if error else "")
 
 
-async def until_disconnected(request: Request, work: Any) -> Any:
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Run `work` (a coroutine) unless the client goes away first; then cancel it and raise
     ClientDisconnected. Non-streaming responses need this: nothing else notices the disconnect."""
     task = asyncio.ensure_future(work)

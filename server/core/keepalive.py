@@ -7,7 +7,8 @@ long, so writers send a keep-alive event (Anthropic's `ping`) at each marker.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncGenerator, AsyncIterator, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -18,7 +19,7 @@ async def with_keepalive(source: AsyncGenerator[T, None], interval: float = KEEP
                          ) -> AsyncIterator[T | None]:
     """`source`'s items, and None each time `interval` seconds pass without one. The wait never
     cancels the step in progress; closing this generator cancels it and closes `source`."""
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[T] | None = None
     try:
         while True:
             if pending is None:

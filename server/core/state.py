@@ -10,27 +10,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 from engine.config import FdserveConfig
 from engine.request.outputs import EngineStats
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, model_not_found, unavailable
-from server.openai.logprobs import TokenTexts
 from server.core.metrics import ServerMetrics
+from server.openai.logprobs import TokenTexts
 
 logger = logging.getLogger("fdserve.server")
 
-EngineFactory = Callable[[FdserveConfig], Any]
+EngineFactory = Callable[[FdserveConfig], EngineClient]
 
 EXIT_OK = 0
 EXIT_LOAD_FAILED = 1          # the model did not load (bad path, config, out of memory at startup)
 EXIT_ENGINE_FAILED = 3        # the engine stopped while serving (a device error, an unrecoverable OOM)
 
 
-def default_engine_factory(config: FdserveConfig) -> Any:
-    from engine import AsyncEngine
+def default_engine_factory(config: FdserveConfig) -> EngineClient:
+    from engine.core.async_engine import AsyncEngine  # lazy: the model code loads with the engine, not the server
 
-    return AsyncEngine(config)
+    # AsyncEngine.generate is an async generator, but annotated AsyncIterator (no aclose) in engine/
+    return AsyncEngine(config)  # type: ignore[return-value]
 
 
 def public_base_url(config: FdserveConfig) -> str:
@@ -46,9 +48,9 @@ def public_base_url(config: FdserveConfig) -> str:
 
 
 class ServerState:
-    def __init__(self, config: FdserveConfig, engine: Any | None = None) -> None:
+    def __init__(self, config: FdserveConfig, engine: EngineClient | None = None) -> None:
         self.config = config
-        self.engine = engine
+        self.engine: EngineClient | None = engine
         self.phase = "ready" if engine is not None else "loading"
         self.load_error: str | None = None
         self.exit_code = EXIT_OK
@@ -60,7 +62,7 @@ class ServerState:
         if engine is not None:
             self._watch(engine)
 
-    def _watch(self, engine: Any) -> None:
+    def _watch(self, engine: EngineClient) -> None:
         self.metrics.engine_starts.inc()
         engine.add_failure_listener(self._engine_failed)
 
@@ -95,7 +97,7 @@ class ServerState:
         self._release_loader.wait()
 
     def log_ready(self, load_seconds: float | None = None) -> None:
-        engine = self.engine
+        engine = self.ready_engine()
         took = f" in {load_seconds:.1f}s" if load_seconds is not None else ""
         logger.info("fdserve ready%s: base URL %s | model %s | context %d tokens | attention path: %s",
                     took, public_base_url(self.config), engine.served_model_name, engine.max_context_len,
@@ -113,7 +115,7 @@ class ServerState:
             self.on_failure()
 
     # ----- per request -----------------------------------------------------------------------
-    def ready_engine(self) -> Any:
+    def ready_engine(self) -> EngineClient:
         if self.phase == "ready" and self.engine is not None:
             return self.engine
         if self.phase == "loading":
@@ -122,6 +124,13 @@ class ServerState:
             raise unavailable("the server is shutting down", "shutting_down")
         raise APIError(503, f"the engine is not available: {self.load_error}", "service_unavailable_error",
                        None, "engine_unavailable")
+
+    def ready_token_texts(self) -> TokenTexts:
+        """The ready engine's token texts (for logprobs); raises as ready_engine() does."""
+        self.ready_engine()
+        if self.token_texts is None:  # set before the engine, so never while it is ready
+            raise RuntimeError("the engine is ready without its token texts")
+        return self.token_texts
 
     def check_model(self, model: str | None) -> None:
         """Single-model server: the served name, an id matching [model] aliases, or no model field at

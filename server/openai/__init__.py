@@ -1,1 +1,2 @@
-"""The OpenAI wire protocol: Chat Completions, Completions, Models, and the chat pipeline the other protocols translate onto."""
+"""The OpenAI wire protocol: Chat Completions, Completions, Models, and the chat pipeline the other protocols
+translate onto."""

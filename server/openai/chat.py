@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.openai.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
-from server.openai.constraints import constraint_processors
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
+from server.core.state import ServerState
+from server.core.streaming import DONE, sse, sse_error
+from server.openai.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
+from server.openai.constraints import constraint_processors
 from server.openai.logprobs import TokenTexts, chat_logprobs
 from server.openai.prompts import encode_prompt, render_chat
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.reasoning import ReasoningSplit, reasoning_split
 from server.openai.respond import CLIENT_CLOSED, respond, usage
 from server.openai.sampling import build_params, max_tokens_for
-from server.core.state import ServerState
-from server.core.streaming import DONE, sse, sse_error
 from server.openai.tools import ToolPlan, plan_tools, template_info
 
 
@@ -58,18 +60,18 @@ class ChatRun:
         self.state = state
         self.req = req
         self.route = route  # in metrics and the log line: other protocols run chat requests too
-        self.engine: Any = None
+        self.engine: EngineClient           # set by render(), which checks the request against it
         self.id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.plan: ToolPlan | None = None
         self.reasoning: ReasoningSplit | None = None
-        self.texts: TokenTexts | None = None
+        self.texts: TokenTexts
 
     def render(self) -> list[int]:
         """Check the request against the engine and return its prompt's token ids."""
         req = self.req
         engine = self.engine = self.state.ready_engine()
-        self.texts = self.state.token_texts
+        self.texts = self.state.ready_token_texts()
         self.state.check_model(req.model)
         self.plan = plan_tools(req, template_info(engine.tokenizer))
         if self.plan.forced and req.response_format is not None and req.response_format.type != "text":

@@ -10,8 +10,9 @@ parser. Usage comes from the Generation (`TurnUsage.of`).
 """
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator
+from typing import Any
 
 from engine.request.outputs import CompletionDelta
 from engine.request.sequence import TokenLogprob

@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.openai.constraints import constraint_processors
+from engine.request.sequence import TokenLogprob
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
-from server.openai.logprobs import CompletionLogprobs, merge_completion_logprobs
+from server.core.state import ServerState
+from server.core.streaming import DONE, sse, sse_error
+from server.openai.constraints import constraint_processors
+from server.openai.logprobs import CompletionLogprobs, TokenTexts, merge_completion_logprobs
 from server.openai.protocol import CompletionRequest
 from server.openai.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.openai.sampling import build_params, max_tokens_for
-from server.core.state import ServerState
-from server.core.streaming import DONE, sse, sse_error
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -29,7 +32,8 @@ class CompletionRun:
     def __init__(self, state: ServerState, req: CompletionRequest) -> None:
         self.state = state
         self.req = req
-        self.engine: Any = None
+        self.engine: EngineClient           # set by prepare()
+        self.texts: TokenTexts
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_texts: list[str] = []
@@ -57,6 +61,7 @@ class CompletionRun:
     async def prepare(self) -> Generation:
         req = self.req
         engine = self.engine = self.state.ready_engine()
+        self.texts = self.state.ready_token_texts()
         self.state.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -82,12 +87,13 @@ class CompletionRun:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.engine.served_model_name, "choices": choices, **extra}
 
-    async def _choice_pieces(self, gen: Generation) -> AsyncIterator[tuple[int, str, dict | None, str | None]]:
+    async def _choice_pieces(self, gen: Generation
+                             ) -> AsyncIterator[tuple[int, str, dict[str, Any] | None, str | None]]:
         """(choice index, text, logprobs piece, finish_reason) per delta; echo comes first."""
         n = gen.params.n
         trackers: dict[int, CompletionLogprobs] = {}
         echoed: set[int] = set()
-        prompt_logprobs: dict[int, list] = {}
+        prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         async for prompt_index, out in gen.outputs():
             if out.prompt_logprobs is not None:   # in the first report with deltas (the engine holds them)
                 prompt_logprobs[prompt_index] = out.prompt_logprobs
@@ -105,10 +111,10 @@ class CompletionRun:
                 if self.req.logprobs is not None:
                     if index not in trackers:   # text_offset counts in the returned text, echo included
                         start = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
-                        trackers[index] = CompletionLogprobs(self.state.token_texts, offset=start)
+                        trackers[index] = CompletionLogprobs(self.texts, offset=start)
                     logprobs = trackers[index].piece(delta.logprobs)
                     if echo:   # the prompt's tokens first, text_offset from the start of the text
-                        scored = CompletionLogprobs(self.state.token_texts).tokens_piece(
+                        scored = CompletionLogprobs(self.texts).tokens_piece(
                             gen.prompts[prompt_index], prompt_logprobs[prompt_index])
                         logprobs = merge_completion_logprobs([scored, logprobs])
                 yield index, text, logprobs, delta.finish_reason
@@ -116,7 +122,7 @@ class CompletionRun:
     async def collect(self, gen: Generation) -> dict[str, Any]:
         total = len(gen.prompts) * gen.params.n
         texts: list[list[str]] = [[] for _ in range(total)]
-        logprobs: list[list[dict]] = [[] for _ in range(total)]
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(total)]
         reasons: list[str | None] = [None] * total
         async for index, text, piece, reason in self._choice_pieces(gen):
             texts[index].append(text)

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from engine.text.structured import GrammarError, GrammarLogitsProcessor, json_schema_grammar, lark_grammar
+from server.core.engine_client import EngineClient
 from server.core.errors import bad_request
 from server.openai.protocol import ResponseFormat
 from server.openai.tools import ToolPlan, forced_call_grammar
@@ -32,7 +33,7 @@ def _grammar(response_format: ResponseFormat | None, plan: ToolPlan | None) -> t
         raise bad_request(str(exc), "response_format.json_schema") from None
 
 
-async def constraint_processors(engine: Any, response_format: ResponseFormat | None,
+async def constraint_processors(engine: EngineClient, response_format: ResponseFormat | None,
                                 plan: ToolPlan | None = None) -> list[Any]:
     found = _grammar(response_format, plan)
     if found is None:

@@ -1,6 +1,7 @@
 """Token logprobs in the two OpenAI formats (chat's `content` list, legacy completions' columns)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from engine.request.sequence import TokenLogprob
@@ -51,11 +52,11 @@ class CompletionLogprobs:
     def piece(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         return self.tokens_piece([entry.token_id for entry in entries], entries)
 
-    def tokens_piece(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, Any]:
+    def tokens_piece(self, token_ids: list[int], entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
         """Tokens with their entries; a token without one (an echoed prompt's first) gets null, as
         OpenAI reports it."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries):
+        for token_id, entry in zip(token_ids, entries, strict=False):
             token = self._texts(token_id)
             tokens.append(token)
             token_logprobs.append(None if entry is None else _finite(entry.logprob))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.core.engine_client import EngineClient
 from server.core.errors import bad_request
 from server.openai.protocol import ChatMessage
 from server.openai.tools import ToolPlan, fallback_messages, template_info
@@ -26,7 +27,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(engine: Any, messages: list[ChatMessage], plan: ToolPlan | None,
+def render_chat(engine: EngineClient, messages: list[ChatMessage], plan: ToolPlan | None,
                 add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text; a template error (roles out of order, ...) is a 400 on `messages`."""
     tokenizer = engine.tokenizer
@@ -43,5 +44,5 @@ def render_chat(engine: Any, messages: list[ChatMessage], plan: ToolPlan | None,
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
 
 
-def encode_prompt(engine: Any, text: str) -> list[int]:
+def encode_prompt(engine: EngineClient, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text))

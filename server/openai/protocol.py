@@ -8,7 +8,7 @@ where clients expect them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,7 +24,7 @@ class TextPart(_Lenient):
 
 class FunctionCall(_Lenient):
     name: str
-    arguments: Union[str, dict[str, Any]] = "{}"
+    arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCall(_Lenient):
@@ -36,7 +36,7 @@ class ToolCall(_Lenient):
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Other part types (images, audio) fail here with a 400 naming messages[i].content.
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -95,7 +95,7 @@ class _SamplingFields(_Lenient):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -129,14 +129,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     suffix: str | None = None
     echo: bool | None = False
     logprobs: int | None = None

@@ -1,7 +1,8 @@
 """What chat and legacy completions share: running a prepared request and answering it."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,13 +46,14 @@ def choice_error(delta: CompletionDelta, error: str | None) -> APIError | None:
     return None
 
 
-async def _unless_disconnected(request: Request, gen: Generation, work: Awaitable[T]) -> tuple[T | None, Response | None]:
-    """(result, None), or (None, the response for a client that left); API errors are logged, re-raised."""
+async def _unless_disconnected(request: Request, gen: Generation,
+                               work: Awaitable[T]) -> T | Response:
+    """The result, or the response for a client that left; API errors are logged, re-raised."""
     try:
-        return await until_disconnected(request, work), None
+        return await until_disconnected(request, work)
     except ClientDisconnected:
         gen.log(CLIENT_CLOSED, error="client disconnected")
-        return None, Response(status_code=CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     except APIError as exc:
         gen.log(exc.status, error=exc.message)
         raise
@@ -70,16 +72,16 @@ async def respond(request: Request, state: ServerState, run: Run, route: str, st
     except APIError as exc:
         log_rejected(state.metrics, route, run.id, exc)
         raise
-    _, closed = await _unless_disconnected(request, gen, gen.start(STREAM_OPEN_GRACE_S if stream else None))
-    if closed is not None:
-        return closed
+    started = await _unless_disconnected(request, gen, gen.start(STREAM_OPEN_GRACE_S if stream else None))
+    if isinstance(started, Response):
+        return started
     if stream:
         return SSEResponse(run.events(gen), on_close=gen.aclose)
     try:
-        body, closed = await _unless_disconnected(request, gen, run.collect(gen))
+        body = await _unless_disconnected(request, gen, run.collect(gen))
     finally:
         await gen.aclose()
-    if closed is not None:
-        return closed
+    if isinstance(body, Response):
+        return body
     gen.log(200, finish_reasons(body))
     return JSONResponse(body)

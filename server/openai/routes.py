@@ -9,15 +9,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from server import __version__
-from server.openai.chat import create_chat_completion
-from server.openai.completions import create_completion
 from server.core.errors import APIError, bad_request, error_body, validation_error
 from server.core.generation import log_rejected
 from server.core.metrics import CONTENT_TYPE
 from server.core.openapi import request_body
+from server.core.state import ServerState
+from server.openai.chat import create_chat_completion
+from server.openai.completions import create_completion
 from server.openai.prompts import encode_prompt, render_chat
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.core.state import ServerState
 from server.openai.tools import plan_tools, template_info
 
 router = APIRouter()
@@ -25,7 +25,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 async def parse_body(request: Request, model: type[Body], route: str) -> Body:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.request.sampling_params import SamplingParams, SamplingParamsError
+from server.core.engine_client import EngineClient
 from server.core.errors import APIError, bad_request, context_length_error
 from server.openai.protocol import _SamplingFields
 
@@ -40,7 +41,7 @@ def _token_ids(values: dict[str, float] | None, vocab_size: int) -> dict[int, fl
     return out
 
 
-def build_params(req: _SamplingFields, *, engine: Any, max_tokens: int, logprobs: int | None,
+def build_params(req: _SamplingFields, *, engine: EngineClient, max_tokens: int, logprobs: int | None,
                  extra: dict[str, Any] | None = None, rename: dict[str, str] | None = None) -> SamplingParams:
     """`rename` maps SamplingParams' field names to this route's request fields in errors."""
     vocab_size = engine.tokenizer.vocab_size

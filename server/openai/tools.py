@@ -44,7 +44,7 @@ class TemplateInfo:
         return TemplateInfo(supports, HERMES)
 
 
-_template_info: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per tokenizer object
+_template_info: weakref.WeakKeyDictionary[Any, TemplateInfo] = weakref.WeakKeyDictionary()  # per tokenizer object
 _template_lock = threading.Lock()
 
 

@@ -29,7 +29,8 @@ def _loads_cut_off(arguments: str) -> object | None:
     """The arguments' JSON, also when the output budget cut the call inside its string."""
     for ending in ("", '"}', '\\"}'):
         try:
-            return json.loads(arguments + ending)
+            value: object = json.loads(arguments + ending)
+            return value
         except ValueError:
             continue
     return None

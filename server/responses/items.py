@@ -66,10 +66,12 @@ class OutputItems:
         where = self._where(item)
         kind = item["type"]
         if kind == "reasoning":
-            events = [("response.reasoning_text.done", {**where, "content_index": 0, "text": item["content"][0]["text"]})]
+            text = item["content"][0]["text"]
+            events = [("response.reasoning_text.done", {**where, "content_index": 0, "text": text})]
         elif kind == "message":
             part = item["content"][0]
-            events = [("response.output_text.done", {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
+            events = [("response.output_text.done",
+                       {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
         elif kind == "function_call":
             item["arguments"] = item["arguments"] or "{}"
@@ -123,12 +125,12 @@ class OutputItems:
         if piece.opens_call and piece.id is not None:
             name = piece.name or ""
             if name in self.custom_tools:
-                item = {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": piece.id, "name": name,
-                        "input": "", "status": IN_PROGRESS}
+                opened: dict[str, Any] = {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": piece.id,
+                                          "name": name, "input": "", "status": IN_PROGRESS}
             else:
-                item = {"id": new_id("fc"), "type": "function_call", "call_id": piece.id, "name": name,
-                        "arguments": "", "status": IN_PROGRESS}
-            events = self._start(item, dict(item))
+                opened = {"id": new_id("fc"), "type": "function_call", "call_id": piece.id, "name": name,
+                          "arguments": "", "status": IN_PROGRESS}
+            events = self._start(opened, dict(opened))
             self._call_index = piece.call_index
         item = self._open
         if not piece.arguments or item is None or self._call_index != piece.call_index:

@@ -9,7 +9,7 @@ so that the translation can refuse them by name.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -49,10 +49,10 @@ class MediaPart(_Lenient):
 
 
 _TEXT_PARTS = {t: "text" for t in ("input_text", "output_text", "text", "summary_text", "reasoning_text")}
-ContentPart = Annotated[Union[Annotated[TextPart, Tag("text")], Annotated[RefusalPart, Tag("refusal")],
-                              Annotated[MediaPart, Tag("other")]],
+ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")]
+                        | Annotated[MediaPart, Tag("other")],
                         _kind("input_text", {**_TEXT_PARTS, "refusal": "refusal"})]
-Content = Union[str, list[ContentPart]]
+Content = str | list[ContentPart]
 
 
 # ----- input items -------------------------------------------------------------------------------
@@ -103,11 +103,11 @@ class OtherItem(_Lenient):
 
 _ITEM_TYPES = _same("message", "function_call", "function_call_output", "custom_tool_call",
                     "custom_tool_call_output", "reasoning")
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[CustomToolCallItem, Tag("custom_tool_call")],
-                            Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")], Annotated[OtherItem, Tag("other")]],
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+                      | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[OtherItem, Tag("other")],
                       _kind("message", _ITEM_TYPES)]
 
 
@@ -142,8 +142,8 @@ class OtherTool(_Lenient):
     type: str
 
 
-ToolSpec = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
-                           Annotated[OtherTool, Tag("other")]],
+ToolSpec = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+                     | Annotated[OtherTool, Tag("other")],
                      _kind("function", _same("function", "custom"))]
 
 
@@ -177,16 +177,16 @@ class ResponseInput(_Lenient):
     """What both routes read: the prompt (instructions, input, tools) and the model id."""
 
     model: str | None = None
-    input: Union[str, list[InputItem]]
+    input: str | list[InputItem]
     instructions: str | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Union[Literal["auto", "none", "required"], NamedTool, None] = None
+    tool_choice: Literal["auto", "none", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    conversation: Union[str, dict[str, Any], None] = None
+    conversation: str | dict[str, Any] | None = None
 
 
 class InputTokensRequest(ResponseInput):

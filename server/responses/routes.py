@@ -10,23 +10,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.openai.chat import ChatRun
 from server.core.errors import APIError
 from server.core.generation import log_rejected
 from server.core.openapi import request_body
+from server.core.state import ServerState
+from server.openai.chat import ChatRun
 from server.openai.respond import respond
+from server.openai.routes import parse_body
 from server.responses.protocol import InputTokensRequest, ResponsesRequest
 from server.responses.run import ROUTE, ResponsesRun, in_responses_terms
 from server.responses.translate import prompt_request
-from server.openai.routes import parse_body
-from server.core.state import ServerState
 
 router = APIRouter()
 INPUT_TOKENS_ROUTE = "input_tokens"
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.fdserve
+    state: ServerState = request.app.state.fdserve
+    return state
 
 
 @router.post("/responses", openapi_extra=request_body(ResponsesRequest))

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from server.openai.chat import ChatRun
-from server.openai.chat_stream import LENGTH, TurnUsage
 from server.core.errors import APIError
 from server.core.generation import Generation
-from server.openai.respond import CLIENT_CLOSED
-from server.responses.items import COMPLETED, INCOMPLETE, IN_PROGRESS, OutputItems, new_id
-from server.responses.protocol import CustomTool, FunctionTool, NamedTool, ResponsesRequest
-from server.responses.translate import Translation, generation_request
 from server.core.state import ServerState
 from server.core.streaming import sse_event
+from server.openai.chat import ChatRun
+from server.openai.chat_stream import LENGTH, TurnUsage
+from server.openai.respond import CLIENT_CLOSED
+from server.responses.items import COMPLETED, IN_PROGRESS, INCOMPLETE, OutputItems, new_id
+from server.responses.protocol import CustomTool, FunctionTool, NamedTool, ResponsesRequest
+from server.responses.translate import Translation, generation_request
 
 ROUTE = "responses"
 FAILED = "failed"
@@ -95,7 +96,8 @@ class ResponsesRun:
                 "reasoning": reasoning, "store": False,
                 "temperature": 1.0 if req.temperature is None else req.temperature,
                 "text": {"format": text_format},
-                "tool_choice": choice.model_dump(exclude_none=True) if isinstance(choice, NamedTool) else choice or "auto",
+                "tool_choice": (choice.model_dump(exclude_none=True) if isinstance(choice, NamedTool)
+                                else choice or "auto"),
                 "tools": tools, "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
                 "usage": usage, "user": req.user, "metadata": req.metadata or {}}
 

@@ -25,12 +25,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.core.errors import bad_request
-from server.openai.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, JsonSchemaFormat,
-                             NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCall)
+from server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
 from server.responses.custom_tools import CUSTOM_INPUT_KEY, custom_tool_definition
-from server.responses.protocol import (Content, CustomTool, CustomToolCallItem, CustomToolCallOutputItem,
-                                       FunctionCallItem, FunctionCallOutputItem, FunctionTool, MediaPart,
-                                       MessageItem, NamedTool, RefusalPart, ResponseInput, ResponsesRequest)
+from server.responses.protocol import (
+    Content,
+    CustomTool,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MediaPart,
+    MessageItem,
+    NamedTool,
+    RefusalPart,
+    ResponseInput,
+    ResponsesRequest,
+)
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,10 @@ def test_backend_glue_triton_equals_reference():
         backend.allocate(cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
-    slot = lambda b, p: int(tables[b, p // 64]) * 64 + p % 64
+
+    def slot(b: int, p: int) -> int:
+        return int(tables[b, p // 64]) * 64 + p % 64
+
     slots = torch.tensor([slot(b, p) for b, n in enumerate(lens) for p in range(n)], device=DEV)
     k = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     v = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
@@ -297,7 +300,7 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     check_close(cache_f[0], cache_u[0])                           # rotated K: one rounding order apart
     written = torch.tensor([3, 1, 5], device=DEV)                 # the three full blocks were quantized
     assert quant_f[1][0, written].abs().sum(-1).min() > 0
-    for got, want in zip(quant_f, quant_u):
+    for got, want in zip(quant_f, quant_u, strict=False):
         if got.dtype == torch.uint8:                              # 2-bit codes: at most a few ties
             assert (got != want).float().mean() < 1e-3
         else:
@@ -437,8 +440,9 @@ def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monk
         read.append(key[0])
         return resident_ctas(kernel, key, *args)
     monkeypatch.setattr(ffd_mod, "resident_ctas", recording)
-    masks = same_bits_under(monkeypatch, case, p, [{"SCAN_SUM_BY_MMA": by_mma, "SCAN_WAVE_MIN_STEPS": wave_steps}
-                                                   for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))])
+    variants = [{"SCAN_SUM_BY_MMA": by_mma, "SCAN_WAVE_MIN_STEPS": wave_steps}
+                for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))]
+    masks = same_bits_under(monkeypatch, case, p, variants)
     assert int((masks == 0).sum()) > 0 and int((masks == 1).sum()) > 0
     assert ("ffd_scan" in read) == (DEV.type == "cuda")
 
@@ -554,7 +558,10 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
 
 def _bf16_fma(a: int, b: int, c: int) -> int:
     """bf16 bits of a * b + c on bf16 bits, rounded once to nearest even (finite normal results)."""
-    value = lambda h: struct.unpack(">f", struct.pack(">I", h << 16))[0]
+
+    def value(h: int) -> float:
+        return struct.unpack(">f", struct.pack(">I", h << 16))[0]
+
     mant, exp = math.frexp(value(a) * value(b) + value(c))        # exact in float64 for bf16 operands
     rounded = math.ldexp(round(mant * 256), exp - 8)               # 8 significant bits, ties to even
     return struct.unpack(">I", struct.pack(">f", rounded))[0] >> 16
@@ -563,7 +570,10 @@ def _bf16_fma(a: int, b: int, c: int) -> int:
 def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
     """The few b32 PTX instructions our asm strings use, on Python ints ($N operands by name)."""
     regs = dict(inputs)
-    val = lambda x: regs[x] if x in regs else int(x, 0)
+
+    def val(x: str) -> int:
+        return regs[x] if x in regs else int(x, 0)
+
     mask = 0xFFFFFFFF
     for ins in asm.strip().strip("{}").split(";"):
         ins = ins.strip()

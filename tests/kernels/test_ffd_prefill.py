@@ -12,8 +12,8 @@ import torch
 from kernels.ffd.decode import ffd_decode
 from kernels.ffd.prefill import ffd_prefill, prefill_tile
 from kernels.ffd.reference import ffd_prefill_ref
-from tests.support.ffd_helpers import paged_case, params
 from tests.kernels.test_ffd_kernels import DEV, EXACT, REL_L2, check_close, qp_cpu, to_dev
+from tests.support.ffd_helpers import paged_case, params
 
 
 def prefill_case(lens, q_lens, *, bs, kv_heads, group, dim, seed):

@@ -7,9 +7,18 @@ import math
 import pytest
 import torch
 
-from kernels.ffd.reference import (FP8, RESIDUAL_SCALE, FFDParams, attend_seq_ref, dense_over_refined_ref,
-                                   dequantize_blocks_ref, ffd_decode_ref, ffd_prefill_ref,
-                                   quantize_blocks_ref, unpack_codes_ref)
+from kernels.ffd.reference import (
+    FP8,
+    RESIDUAL_SCALE,
+    FFDParams,
+    attend_seq_ref,
+    dense_over_refined_ref,
+    dequantize_blocks_ref,
+    ffd_decode_ref,
+    ffd_prefill_ref,
+    quantize_blocks_ref,
+    unpack_codes_ref,
+)
 from tests.support.ffd_helpers import paged_case, params
 
 

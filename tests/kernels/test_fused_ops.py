@@ -31,7 +31,8 @@ def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: st
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
     """|got - want| <= tol * (1 + |want|) everywhere: tol absolute near 0, relative elsewhere."""
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
     diff = (got.double() - want.double()).abs()
     worst = (diff / (1 + want.double().abs())).max().item()
     assert worst <= tol, f"{what}: max abs error {diff.max().item():.3g}, scaled {worst:.3g} > {tol:.3g}"
@@ -229,7 +230,8 @@ def test_bad_shapes_raise() -> None:
     with pytest.raises(ValueError, match="rotary_dim"):
         fused.rotary_embedding(pos, torch.randn(3, 128), torch.randn(3, 64), rope.cos_cache, rope.sin_cache, 64, 63)
     with pytest.raises(ValueError, match="cos_cache"):
-        fused.rotary_embedding(pos, torch.randn(3, 128), torch.randn(3, 64), rope.cos_cache[:, :16], rope.sin_cache, 64, 64)
+        fused.rotary_embedding(pos, torch.randn(3, 128), torch.randn(3, 64), rope.cos_cache[:, :16], rope.sin_cache,
+                               64, 64)
 
 
 # ----- GPU (bf16 / fp16, real shapes) ------------------------------------------------------------
@@ -300,5 +302,5 @@ def test_fused_ops_capture_in_cuda_graph() -> None:
     pos.copy_(torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(0)))
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(outs, step()):
+    for got, want in zip(outs, step(), strict=False):
         assert torch.equal(got, want), "replay must compute on the new inputs"

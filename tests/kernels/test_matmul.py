@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import layers
 from engine.config import FlashDecodingConfig
+from engine.model import layers
 from kernels.gemm import dispatch
-from kernels.gemm.matmul import GEMV_MAX_M, MatmulConfig, default_config, flat_gemm, gemv, matmul_ref, plan
 from kernels.gemm.dispatch import CUBLAS, AdaptiveMatmul, Choice, MatmulTable, default_table_path, load_table
+from kernels.gemm.matmul import GEMV_MAX_M, MatmulConfig, default_config, flat_gemm, gemv, matmul_ref, plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative (Frobenius) error vs float64: fp32 is exact up to summation order in the interpreter

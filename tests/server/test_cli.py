@@ -12,8 +12,8 @@ import pytest
 
 from engine import AsyncEngine, load_config
 from server import __version__
-from server.cli.main import SUBCOMMANDS, build_parser, config_from_args, main
 from server.cli.client_config import client_settings
+from server.cli.main import SUBCOMMANDS, build_parser, config_from_args, main
 from tests.support.server_harness import free_port, wait_until
 from tests.support.tiny_models import make_tiny_model
 

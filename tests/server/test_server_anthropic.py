@@ -9,14 +9,15 @@ import openai
 import pytest
 
 from server.app.build import build_app
-from tests.support.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 from tests.server.test_server_openai import MAX_CONTEXT, MODEL, engine  # noqa: F401 - the shared tiny engine fixture
+from tests.support.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 
 KEY = "messages-test-key"
 ALIAS = "claude-sonnet-4-5"
 SYSTEM = "You are a careful assistant. " * 12
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather in a city",
-                "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                "input_schema": {"type": "object",
+                                 "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
                                  "required": ["city"], "additionalProperties": False}}
 HELLO = [{"role": "user", "content": "Say something."}]
 GREEDY = {"temperature": 0}  # the SDK no longer has sampling arguments; the API still takes them
@@ -38,7 +39,8 @@ def client(server):
 
 
 def billing_block(nonce: str) -> dict:
-    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.abc; cc_entrypoint=cli; cch={nonce};"}
+    return {"type": "text",
+            "text": f"x-anthropic-billing-header: cc_version=2.1.197.abc; cc_entrypoint=cli; cch={nonce};"}
 
 
 def sse_events(server, body: dict) -> list[tuple[str, dict]]:
@@ -49,7 +51,8 @@ def sse_events(server, body: dict) -> list[tuple[str, dict]]:
 # ----- happy paths ---------------------------------------------------------------------------
 
 def test_create_message(client, server):
-    reply = client.messages.create(model=MODEL, max_tokens=12, system=SYSTEM, messages=HELLO, metadata={"user_id": "u1"},
+    reply = client.messages.create(model=MODEL, max_tokens=12, system=SYSTEM, messages=HELLO,
+                                   metadata={"user_id": "u1"},
                                    extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 40})
     assert reply.id.startswith("msg_") and reply.type == "message" and reply.role == "assistant"
     assert reply.model == MODEL and reply.stop_reason in ("end_turn", "max_tokens")
@@ -224,7 +227,8 @@ def test_failure_mid_stream_is_an_error_event(engine):  # noqa: F811
 @pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
                                           (403, "permission_error"), (404, "not_found_error"),
                                           (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"),
-                                          (503, "overloaded_error"), (504, "api_error"), (422, "invalid_request_error")])
+                                          (503, "overloaded_error"), (504, "api_error"),
+                                          (422, "invalid_request_error")])
 def test_error_types_follow_the_status(status, kind):
     from server.anthropic.errors import error_response
     from server.core.errors import APIError

@@ -26,8 +26,8 @@ def model_dir(tmp_path_factory):
 def test_a_device_error_ends_in_flight_requests_with_errors_and_exits_3(model_dir, tmp_path):
     port, trigger = free_port(), tmp_path / "fail-now"
     log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.failing_server", str(model_dir), str(port), str(trigger)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.failing_server",
+                             str(model_dir), str(port), str(trigger)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _status(base + "/health") == 200, timeout=120), "the server did not come up"

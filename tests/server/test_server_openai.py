@@ -202,7 +202,7 @@ def test_completions_endpoint(client):
     generated = slice(num_prompt, None)
     assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset[generated][0] == len("Hello")
     assert all(choice.text[o:o + len(t)] == t for o, t in zip(choice.logprobs.text_offset[generated],
-                                                              choice.logprobs.tokens[generated]))
+                                                              choice.logprobs.tokens[generated], strict=True))
     batch = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3)
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
     chunks = list(client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=4, stream=True,

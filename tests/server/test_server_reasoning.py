@@ -137,7 +137,8 @@ def closed_thought_tokens(live) -> int:
 
 def test_thinking_off_by_template_kwargs(server):
     never_opens = {str(CLOSE_TOKEN - 1): -100}  # the model may open a thought itself: not this time
-    off = chat(server, temperature=0, logit_bias=never_opens, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    off = chat(server, temperature=0, logit_bias=never_opens,
+               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert not (off.choices[0].message.model_extra or {}).get("reasoning_content") and off.choices[0].message.content
     on = chat(server, temperature=0, logit_bias=never_opens)
     assert on.choices[0].message.model_extra["reasoning_content"] and not on.choices[0].message.content

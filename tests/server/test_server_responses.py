@@ -10,8 +10,8 @@ import pytest
 
 from server.app.build import build_app
 from server.responses.custom_tools import custom_input
-from tests.support.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 from tests.server.test_server_openai import MAX_CONTEXT, MODEL, engine  # noqa: F401 - the shared tiny engine fixture
+from tests.support.server_harness import FAILURE_MESSAGE, LiveServer, failing_server, named_sse_events, tiny_config
 
 KEY = "responses-test-key"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
@@ -80,7 +80,8 @@ def check_event_order(events: list[tuple[str, dict]]) -> dict:
 def test_create_text_usage_and_output_text(client, server):
     reply = client.responses.create(model=MODEL, input="Say something.", instructions="You are terse.",
                                     max_output_tokens=12, temperature=0, store=False,
-                                    reasoning={"effort": "low", "summary": "auto"}, include=["reasoning.encrypted_content"],
+                                    reasoning={"effort": "low", "summary": "auto"},
+                                    include=["reasoning.encrypted_content"],
                                     prompt_cache_key="k1", metadata={"run": "1"}, user="u1", service_tier="auto",
                                     truncation="disabled", extra_body={"client_metadata": {"x": "y"}})
     assert reply.id.startswith("resp_") and reply.object == "response" and reply.model == MODEL
@@ -182,7 +183,8 @@ def test_codex_style_history_is_accepted(client, server):
     """What Codex resends every turn: developer and user messages, a reasoning item, the assistant's
     output_text message, a function call with its output; tools of every kind; store false."""
     history = [
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>...</permissions>"}]},
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "<permissions>...</permissions>"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<environment_context/>"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
         {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Use ls."}],

@@ -31,7 +31,8 @@ def scan_loop_opcodes(dim: int, group: int, sum_by_mma: bool) -> collections.Cou
     consts = {"BPP": ffd.SCAN_BLOCKS_PER_STEP, "NUM_PARTS": 4, "PARTS_PAD": 16, "NUM_HEADS": 8 * group,
               "NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_H": 16, "D": dim, "D4": dim // 4, "BS": bs,
               "UPCAST": False, "WRITE_MASK": False, "TOKENS_AS_M": tokens_as_m, "SINK_PARTS": 1,
-              "HAS_KMAP": False, "SUM_BY_MMA": sum_by_mma, "PM_SLICE": ffd.PM_SLICE, "DECIDE_CHUNK": ffd.DECIDE_CHUNK, "PDL": True,
+              "HAS_KMAP": False, "SUM_BY_MMA": sum_by_mma, "PM_SLICE": ffd.PM_SLICE,
+              "DECIDE_CHUNK": ffd.DECIDE_CHUNK, "PDL": True,
               "SCAN_N": triton.next_power_of_2(group) if tokens_as_m else 16}
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KMAP": "*i32", "CODES": "*u8", "SCALES": "*fp32",
              "RES": "*fp8e4nv", "BT": "*i32", "SEQ": "*i32", "PM": "*fp32", "BMAX": "*fp32", "FLAGS": "*i32",

@@ -44,8 +44,9 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers
     (`extra_tokens` get ids 259, 260, ...)."""
     import transformers as tf
 
-    common = dict(vocab_size=259 + len(extra_tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+    common = dict(vocab_size=259 + len(extra_tokens), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max_position_embeddings,
                   bos_token_id=257, eos_token_id=258, pad_token_id=256, rms_norm_eps=1e-6)
     if family in ("llama", "llama_tied"):
         config = tf.LlamaConfig(**common, tie_word_embeddings=family == "llama_tied", rope_theta=10000.0)
