@@ -494,13 +494,11 @@ def dump_real(length: int, layers: list[int]) -> None:
     """Run the embedded model densely over `length` tokens of real text; keep q (last 8 positions),
     K and V of a few layers in bf16 (about 3 MB per layer at 8K)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
-    from engine.attention.torch_reference import ReferenceBackend
     import gzip
 
     from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
 
-    from engine.attention.layer import AttentionBackend
+    from engine.attention.torch_reference import ReferenceBackend
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_pretrained(model_dir)
     runner = Runner(load_model(model_dir, torch.float32, torch.device("cpu")))

@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -83,7 +83,7 @@ class FlashDecodingConfig(_Section):
     enable: bool = True
     kernel: Literal["flash", "ffd", "auto"] = "flash"
     async_softmax: bool = False
-    fixed_max_value: Union[bool, float] = False
+    fixed_max_value: bool | float = False
     fallback_on_overflow: bool = True
     double_buffer: bool = True
     adaptive_matmul: bool = True
@@ -129,7 +129,7 @@ class BackendConfig(_Section):
 
 
 class ApiConfig(_Section):
-    api_key: Union[str, list[str], None] = None
+    api_key: str | list[str] | None = None
     base_url: str | None = None
 
     @property

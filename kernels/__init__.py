@@ -10,9 +10,15 @@ from kernels.attention.fdpp import fdpp_decode, new_stats
 from kernels.attention.flash_decoding import flash_decode
 from kernels.attention.kv_store import store_kv
 from kernels.attention.prefill import prefill_attention
+from kernels.attention.reference import (
+                               decode_attention_ref,
+                               decode_reference,
+                               fdpp_decode_ref,
+                               flash_decode_ref,
+                               prefill_attention_ref,
+                               store_kv_ref,
+)
 from kernels.ffd.decode import FFDDecodePlan, ffd_decode, plan_ffd_decode, run_ffd_decode
-from kernels.attention.reference import (decode_attention_ref, decode_reference, fdpp_decode_ref, flash_decode_ref,
-                               prefill_attention_ref, store_kv_ref)
 from kernels.vendor import check_vendor, detect_vendor
 
 __all__ = [

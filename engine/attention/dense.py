@@ -21,7 +21,8 @@ inside the step, and a captured CUDA graph keeps both the zeroing and the counti
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -8,8 +8,9 @@ step calls its `decode`, any step with prefill chunks its `prefill`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn

@@ -16,13 +16,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Literal
+from typing import Literal
 
 from engine.config import FdserveConfig
-from engine.request.errors import EngineDead, EngineOverloaded, RequestTimedOut
 from engine.core.faults import EngineUnrecoverable, describe
 from engine.core.llm_engine import LLMEngine
+from engine.request.errors import EngineDead, EngineOverloaded, RequestTimedOut
 from engine.request.outputs import EngineStats, RequestOutput
 from engine.request.sampling_params import SamplingParams
 

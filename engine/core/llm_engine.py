@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.core.block_manager import BlockManager
 from engine.config import ConfigError, FdserveConfig
-from engine.worker.device import select_device, select_dtype
-from engine.request.errors import ContextLengthExceeded
+from engine.core.block_manager import BlockManager
 from engine.core.faults import describe, raise_if_unrecoverable
 from engine.core.inflight import InFlightStep, copy_to_host
 from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler import Scheduler
+from engine.core.step_isolation import StepIsolation
 from engine.model.layers import configure_matmul, linear_shapes
 from engine.model.loader import load_model, resolve_model_dir
-from engine.worker.model_runner import ModelRunner, PromptHidden
+from engine.request.errors import ContextLengthExceeded
 from engine.request.outputs import EngineStats, RequestOutput
-from engine.worker.sampler import Sampler
 from engine.request.sampling_params import SamplingParams, SamplingParamsError
-from engine.core.scheduler import Scheduler
 from engine.request.sequence import Sequence
-from engine.core.step_isolation import StepIsolation
 from engine.text.tokenizer import Tokenizer
+from engine.worker.device import select_device, select_dtype
+from engine.worker.model_runner import ModelRunner, PromptHidden
+from engine.worker.sampler import Sampler
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

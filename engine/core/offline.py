@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence as Seq, cast
+from typing import Any, cast
 
-from engine.config import FdserveConfig, ConfigError, load_config
+from engine.config import ConfigError, FdserveConfig, load_config
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import TokenLogprob

@@ -11,15 +11,15 @@ seeded rows draw what they would have drawn.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from engine.core.faults import STAGE_FORWARD, STAGE_SAMPLING, describe, raise_if_unrecoverable
+from engine.request.sequence import Sequence
 from engine.worker.model_runner import ExecuteResult, ModelRunner
 from engine.worker.sampler import Sampler, SampleResult
-from engine.request.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

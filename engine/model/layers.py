@@ -14,7 +14,8 @@ startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, overload
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F

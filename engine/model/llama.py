@@ -9,15 +9,26 @@ attention metadata installed by the model runner.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.attention.layer import Attention
-from engine.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                           RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding,
-                           default_weight_loader, divide, get_tp_rank_and_size)
+from engine.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    divide,
+    get_tp_rank_and_size,
+)
 from engine.model.rope import get_rope_parameters
 
 logger = logging.getLogger(__name__)

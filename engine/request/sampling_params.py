@@ -1,8 +1,9 @@
 """Per-request sampling parameters (the OpenAI request fields the sampler obeys)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch

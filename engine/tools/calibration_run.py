@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.attention.backend import AttentionBackend
-from engine.tools.calibration import calibrate
 from engine.config import FdserveConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
+from engine.tools.calibration import calibrate
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from kernels.gemm.matmul import MatmulConfig
     from kernels.gemm.dispatch import Choice, MatmulTable
+    from kernels.gemm.matmul import MatmulConfig
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MARGIN = 0.03                 # a kernel must beat cuBLAS by 3 % to be chosen
@@ -202,8 +202,8 @@ def _tune_one(timer: GraphTimer, x: torch.Tensor, weights: list[torch.Tensor], d
     import torch.nn.functional as F
     from triton.errors import TritonError
 
-    from kernels.gemm.matmul import flat_gemm, gemv
     from kernels.gemm.dispatch import CUBLAS, Choice
+    from kernels.gemm.matmul import flat_gemm, gemv
     from kernels.vendor import detect_vendor
 
     (n, k), m = weights[0].shape, x.shape[0]

@@ -18,8 +18,8 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.layer import Attention, AttentionMetadata, forward_context
-from engine.worker.cuda_graph import DecodeGraphs
 from engine.request.sequence import Sequence
+from engine.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ device (`kernels.attention.splitkv.split_plan`) and programs past the last split
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton

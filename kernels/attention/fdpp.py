@@ -28,8 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.decode_host import (check_plan_shapes, check_shapes, contiguous_strides, probe_tensors,
-                                           resolve_splits, rows_per_tile)
+from kernels.attention.decode_host import (
+    check_plan_shapes,
+    check_shapes,
+    contiguous_strides,
+    probe_tensors,
+    resolve_splits,
+    rows_per_tile,
+)
 from kernels.attention.reference import safe_window
 from kernels.attention.splitkv import LOG2E, attend, load_q_rows, split_plan, store_rows
 from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting

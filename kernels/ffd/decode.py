@@ -73,10 +73,10 @@ from typing import Any
 import torch
 import triton
 
+from kernels.attention.decode_host import contiguous_strides, probe_tensors, rows_per_tile
 from kernels.ffd.attend import _attend_kernel, _merge_kernel
 from kernels.ffd.reference import FP8, FFDParams
 from kernels.ffd.scan import _scan_kernel
-from kernels.attention.decode_host import contiguous_strides, probe_tensors, rows_per_tile
 from kernels.occupancy import resident_ctas
 from kernels.vendor import interpreting, num_compute_units, programmatic_launch
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.kv_store import key_page
 from kernels.ffd.decode import LOG2E, check_ffd_inputs
 from kernels.ffd.reference import FFDParams
 from kernels.ffd.tiles import (
@@ -35,7 +36,6 @@ from kernels.ffd.tiles import (
     _quant_scores,
     _res_dots,
 )
-from kernels.attention.kv_store import key_page
 from kernels.vendor import interpreting
 
 TILE_ROWS = 64           # query rows (queries x padded group) of one program; 32 at head_dim 256

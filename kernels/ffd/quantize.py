@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ffd.reference import RESIDUAL_SCALE
 from kernels.attention.kv_store import key_page
+from kernels.ffd.reference import RESIDUAL_SCALE
 from kernels.vendor import interpreting
 
 

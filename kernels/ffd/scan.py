@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.attention.kv_store import key_page
 from kernels.ffd.ptx import (
     INT8_Q_MAX,
     INT_ROUND,
@@ -26,7 +27,6 @@ from kernels.ffd.tiles import (
     _release_next,
     _token_rows,
 )
-from kernels.attention.kv_store import key_page
 
 # ----- decode 1, first programs: threshold ----------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.attention.kv_store import key_page
 from kernels.ffd.ptx import (
     INV_RES_SCALE,
     PLANE_ASM_0,
@@ -22,7 +23,6 @@ from kernels.ffd.ptx import (
     RES_Q_SCALE,
     RES_UNSCALE,
 )
-from kernels.attention.kv_store import key_page
 
 try:   # NVIDIA builds of Triton; the others never launch programmatically (`programmatic_launch`)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, FdserveConfig, find_default_config, load_config, parse_overrides
 from server import __version__

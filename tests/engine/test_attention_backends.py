@@ -9,8 +9,8 @@ from torch import nn
 
 from engine.attention.layer import Attention, AttentionMetadata, forward_context
 from engine.attention.select import make_attention_backend
-from engine.tools.calibration import calibrate, load_phi
 from engine.config import FlashDecodingConfig
+from engine.tools.calibration import calibrate, load_phi
 from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref
 from tests.support.attention_metadata import kernel_metadata

@@ -66,9 +66,10 @@ def test_variant_matches_reference_in_model(variant, head_dim):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
+    import transformers as tf
+
     from engine.model.llama import LlamaForCausalLM  # noqa: F401  (import check)
     from tests.support.tiny_models import make_byte_tokenizer
-    import transformers as tf
     path = tmp_path_factory.mktemp("gpu_model")
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(hf_config(64))

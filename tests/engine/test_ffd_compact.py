@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.ffd.crossover import crossover_table
 from engine.attention.ffd_cache import ExactKeyPages, exact_pool_pages
 from kernels import store_kv
+from kernels.attention.reference import store_kv_ref
+from kernels.ffd.crossover import crossover_table
 from kernels.ffd.decode import ffd_decode
 from kernels.ffd.prefill import ffd_prefill
 from kernels.ffd.quantize import quantize_on_write
 from kernels.ffd.reference import ffd_decode_ref, ffd_prefill_ref, quantize_on_write_ref
-from kernels.attention.reference import store_kv_ref
-from tests.support.ffd_helpers import empty_pages, params
 from tests.kernels.test_ffd_kernels import DEV, REL_L2, check_close, qp_cpu
 from tests.kernels.test_ffd_prefill import prefill_case
+from tests.support.ffd_helpers import empty_pages, params
 
 
 def pool_for(k, pages):

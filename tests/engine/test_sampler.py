@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine.worker.sampler import Sampler, _top_k_, _top_p_, _top_p_sorted_
 from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import Sequence
+from engine.worker.sampler import Sampler, _top_k_, _top_p_, _top_p_sorted_
 
 EOS = 7
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.worker.sampler import Sampler
 from engine.request.sampling_params import BANNED_BIAS, SamplingParams, SamplingParamsError
 from engine.request.sequence import Sequence
+from engine.worker.sampler import Sampler
 
 EOS = 2
 FLOAT_MAX = torch.finfo(torch.float32).max

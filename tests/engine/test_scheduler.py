@@ -1,7 +1,7 @@
 """Scheduler: token budget, decodes first, chunked prefill, preemption by recompute."""
 from engine.core.block_manager import BlockManager
-from engine.request.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.request.sampling_params import SamplingParams
 from engine.request.sequence import Sequence
 
 

@@ -84,7 +84,8 @@ def test_prompt_ending_inside_a_character(tok):
 
 
 def test_prefix_space_of_sentencepiece_tokens():
-    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     raw = RawTokenizer(models.WordLevel(vocab={"<unk>": 0, "▁The": 1, "▁Hello": 2, "▁world": 3, "!": 4},

@@ -210,8 +210,8 @@ def test_auto_rows_below_the_crossover_are_dense(num_splits):
 def test_backend_glue_triton_equals_reference():
     """The engine backend's Triton path (store, quantize on write, prefill, decode, counters)
     against its torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
-    from engine.config import FlashDecodingConfig
     from engine.attention.select import make_attention_backend
+    from engine.config import FlashDecodingConfig
     from tests.support.attention_metadata import kernel_metadata
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
     gen = torch.Generator().manual_seed(2)
@@ -263,8 +263,8 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     The compact layout (a page map) keeps the unfused write."""
     from engine.attention.backend import AttentionBackend
     from engine.attention.layer import Attention, AttentionMetadata, forward_context
-    from engine.config import FlashDecodingConfig
     from engine.attention.select import make_attention_backend
+    from engine.config import FlashDecodingConfig
     from engine.model.layers import RotaryEmbedding
     fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=2.0, ffd_crossover_tokens=4096)
     rope = RotaryEmbedding(64, 64, max_position=512, base=10000.0).to(DEV)

@@ -9,9 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (check_vendor, choose_num_splits, decode_attention, decode_reference, detect_vendor,
-                     new_stats, plan_decode, prefill_attention, prefill_attention_ref, run_decode, store_kv,
-                     store_kv_ref)
+from kernels import (
+    check_vendor,
+    choose_num_splits,
+    decode_attention,
+    decode_reference,
+    detect_vendor,
+    new_stats,
+    plan_decode,
+    prefill_attention,
+    prefill_attention_ref,
+    run_decode,
+    store_kv,
+    store_kv_ref,
+)
 from kernels.attention.reference import split_plan
 from kernels.vendor import DecodeConfig, vendor_configs
 
