@@ -161,11 +161,11 @@ def _refined_plane(byte, r, j: tl.constexpr):
     if j == 0:
         asm: tl.constexpr = REFINED_ASM_0
     elif j == 1:
-        asm: tl.constexpr = REFINED_ASM_1
+        asm: tl.constexpr = REFINED_ASM_1  # type: ignore[no-redef]  # the jit reads each branch's annotation
     elif j == 2:
-        asm: tl.constexpr = REFINED_ASM_2
+        asm: tl.constexpr = REFINED_ASM_2  # type: ignore[no-redef]  # the jit reads each branch's annotation
     else:
-        asm: tl.constexpr = REFINED_ASM_3
+        asm: tl.constexpr = REFINED_ASM_3  # type: ignore[no-redef]  # the jit reads each branch's annotation
     return tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r,r", args=[byte, rb], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
 
