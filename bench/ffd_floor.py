@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -53,7 +54,7 @@ def _stream_kernel(X, OUT, n, programs, CHUNK: tl.constexpr, WORK: tl.constexpr)
     acc = tl.zeros([CHUNK], tl.int32)
     if WORK:
         for c in range(p, n // CHUNK, programs):
-            acc += tl.load(X + c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))
+            acc += tl.load(X + c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))  # type: ignore[attr-defined]  # jit: c is a tl tensor
     tl.store(OUT + p, tl.sum(acc, 0))
 
 
@@ -302,7 +303,7 @@ def skeleton_for(case, p) -> Skeletons:
 
 def fastest(timer, variants: dict) -> tuple[float, str]:
     times = {name: timer(fn) for name, fn in variants.items()}
-    best = min(times, key=times.get)
+    best = min(times, key=times.__getitem__)
     return times[best], best
 
 
@@ -376,8 +377,8 @@ def run(out_dir: Path, budget_s: float, profile: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     timer = Timer()
     bw = copy_bandwidth()
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bw": bw, "rows": []}
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "triton": triton.__version__, "copy_bw": bw, "rows": []}
     deadline = time.time() + budget_s
     for length in (131072, 262144, 65536, 16384):
         for batch in (1, 8):
@@ -454,7 +455,7 @@ def run_layered(out_dir: Path, layers: int) -> dict:
     from bench.kernels import Timer, copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(0)
     timer, bw = Timer(), copy_bandwidth()
-    report = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "layers": layers, "rows": []}
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "layers": layers, "rows": []}
     p = params()
     for batch, length, f_hot in LAYERED:
         cases = [Case([length] * batch, 32, 8, 128, gen, f_hot=f_hot) for _ in range(layers)]

@@ -43,6 +43,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -199,7 +200,7 @@ def run_checks(gen, smoke=False) -> list[dict]:
     for name, hq, hkv, dim in shapes:
         for lens in lens_sets:
             case = Case(lens, hq, hkv, dim, gen, f_hot=0.1)
-            row = {"shape": name, "lens": lens}
+            row: dict[str, Any] = {"shape": name, "lens": lens}
             # quantize-on-write: bit-exact against the torch quantizer
             used = torch.cat([case.tables[b, :n // BS].long() for b, n in enumerate(lens)])
             c, s, r = quantize_blocks_ref(case.k[used])
@@ -217,7 +218,8 @@ def run_checks(gen, smoke=False) -> list[dict]:
             stats = torch.zeros(2, dtype=torch.int64, device=DEV)
             out = torch.full_like(case.q, float("nan"))
             ffd(case, params(), out=out, masks=masks, stats=stats)
-            ref_masks, ref_stats = [], {}
+            ref_masks: list[torch.Tensor] = []
+            ref_stats: dict[str, float] = {}
             ref = ffd_decode_ref(case.q, case.k, case.v, case.qp, case.tables, case.seq, scale=dim ** -0.5,
                                  params=params(), stats=ref_stats, masks=ref_masks)
             diff = sum(int((masks[b, :, :n // BS].cpu().bool() != ref_masks[b]).sum()) for b, n in enumerate(lens))
@@ -263,7 +265,7 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
     s = sparsity(case, p)
     row = {"data": label, "B": len(case.lens), "L": case.lens[0], "sparsity": s}
     # FFD and flash twice each, interleaved, the faster of each kept and both recorded: one timing can read slow.
-    rounds = {"ffd": [], "flash": []}
+    rounds: dict[str, list[float]] = {"ffd": [], "flash": []}
     for _ in range(ROUNDS):
         rounds["ffd"].append(timer(lambda: ffd(case, p)))
         rounds["flash"].append(timer(lambda: flash(case)))
@@ -283,7 +285,7 @@ def time_row(timer, case, bw, label, with_sdpa=True) -> dict:
 
 
 def run_bench(timer, gen, bw, deadline) -> list[dict]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     real = torch.load(REAL) if REAL.exists() else None
     if real is None:
         print(f"bench: no real K/V at {REAL} (`python bench/ffd_kernels.py --dump-real` writes it, on the CPU): "
@@ -368,8 +370,9 @@ def run_prefill(timer, gen, chunk: int = 2048) -> list[dict]:
             q = chunk_queries(case, gen, chunk)
             qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
             run_ffd = prefill_runner(case, q, chunk)
-            row = {"L": length, "chunk": chunk, "data": f"synthetic f={f_hot}" if f_hot else "N(0,1) keys",
-                   "decode_sparsity": sparsity(case, params())}
+            row: dict[str, Any] = {"L": length, "chunk": chunk,
+                                   "data": f"synthetic f={f_hot}" if f_hot else "N(0,1) keys",
+                                   "decode_sparsity": sparsity(case, params())}
             out = run_ffd()
             if length <= 8192:
                 ref = ffd_prefill_ref(q.float(), case.k.float(), case.v.float(), case.qp, case.tables, case.seq, qsl,
@@ -493,11 +496,9 @@ def run_profile(gen) -> list[dict]:
 def dump_real(length: int, layers: list[int]) -> None:
     """Run the embedded model densely over `length` tokens of real text; keep q (last 8 positions),
     K and V of a few layers in bf16 (about 3 MB per layer at 8K)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gzip
 
-    from ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
-
+    from bench.ffd_quality import TEXT, Runner, Tokenizer, load_model, resolve_model_dir
     from engine.attention.torch_reference import ReferenceBackend
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_pretrained(model_dir)
@@ -505,7 +506,7 @@ def dump_real(length: int, layers: list[int]) -> None:
     ids = tok.encode(gzip.decompress(TEXT.read_bytes()).decode("utf-8", "replace"))[:length]
     probe = list(range(length - 8, length))
     _, kv = runner.run(ids, ReferenceBackend("dense"), logits_from=length - 1, probe_pos=probe)
-    out = {"text": str(TEXT), "length": length, "layers": {}}
+    out: dict[str, Any] = {"text": str(TEXT), "length": length, "layers": {}}
     for i in layers:
         k = kv[0, i].reshape(-1, *kv.shape[-2:])[:length]
         v = kv[1, i].reshape(-1, *kv.shape[-2:])[:length]
@@ -592,8 +593,8 @@ def main() -> None:
         rows = run_checks(gen, smoke=True)
         print_tables({"checks": rows})
         return
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(sys.argv)}
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     import triton
     report["triton"] = triton.__version__
     args.out.mkdir(parents=True, exist_ok=True)

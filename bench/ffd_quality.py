@@ -38,6 +38,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -239,8 +240,9 @@ def forced_on_generated(runner: Runner, starts: list[int], prompts: list[list[in
         target = torch.tensor(gen)
         t0 = time.time()
         dense, _ = runner.run(ids, ReferenceBackend("dense"), logits_from=len(prompt) - 1)
-        row = {"start": start, "tokens": len(gen),
-               "dense_matches_generated": float((dense.argmax(-1) == target).float().mean()), "delta": {}}
+        row: dict[str, Any] = {"start": start, "tokens": len(gen),
+                               "dense_matches_generated": float((dense.argmax(-1) == target).float().mean()),
+                               "delta": {}}
         for delta in deltas:
             ffd, _ = runner.run(ids, make_attention_backend(ffd_config(delta), CPU, "cpu"), logits_from=len(prompt) - 1)
             kl, agree = kl_and_agreement(dense, ffd)
@@ -323,9 +325,9 @@ def main() -> None:
     ids_all = tok.encode(text)
     first = runner.layers[0]
     scale = first.scale
-    report = {"model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to float32)",
-              "text": str(TEXT), "block_size": BS, "sink_tokens": 4, "local_window": 128,
-              "delta_units": "e", "date": time.strftime("%Y-%m-%d"), "contexts": {}}
+    report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to float32)",
+                              "text": str(TEXT), "block_size": BS, "sink_tokens": 4, "local_window": 128,
+                              "delta_units": "e", "date": time.strftime("%Y-%m-%d"), "contexts": {}}
     out_path = args.out / args.out_name
     args.out.mkdir(parents=True, exist_ok=True)
     for length in args.contexts:
@@ -339,7 +341,7 @@ def main() -> None:
         layers = [analyse_layer(probes[i], pos, kv[0, i].reshape(-1, *kv.shape[-2:])[:length],
                                 kv[1, i].reshape(-1, *kv.shape[-2:])[:length], scale, args.deltas, args.key_formats)
                   for i in range(len(runner.layers))]
-        entry = {"dense_seconds": time.time() - t0, "per_layer": layers, "teacher_forced": {}}
+        entry: dict[str, Any] = {"dense_seconds": time.time() - t0, "per_layer": layers, "teacher_forced": {}}
         if args.key_formats:
             for name in layers[0]["key_formats"]:
                 errs = [layer["key_formats"][name] for layer in layers]

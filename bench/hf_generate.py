@@ -29,7 +29,9 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> 
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # transformers decorates `to` with functools.wraps(nn.Module.to): mypy reads it unbound, self as the device
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def time_generate(model: Any, prompt: list[int], new_tokens: int) -> float:

@@ -20,6 +20,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ def rel_err(out, ref):
     return float((out.float() - ref).norm() / ref.norm())
 
 
-VARIANTS = {   # name -> decode_attention options
+VARIANTS: dict[str, dict[str, Any]] = {   # name -> decode_attention options
     "standard": {"variant": "standard"},
     "flash": {"variant": "flash"},
     "fdpp": {"variant": "fdpp"},                  # φ estimated per step (fixed_max_value = false)
@@ -89,7 +90,7 @@ def run_checks(seed: int, cfg: DecodeConfig) -> list[dict]:
                     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                     out = torch.full_like(q, float("nan"))
                     stats = new_stats(q.device) if opts["variant"] == "fdpp" else None
-                    extra = {"stats": stats} if stats is not None else {}
+                    extra: dict[str, Any] = {"stats": stats} if stats is not None else {}
                     decode_attention(q, k, v, tables, seq_lens, scale=SCALE, out=out, config=cfg, **opts, **extra)
                     ref = reference_fp32(q, k, v, tables, seq_lens)
                     err = rel_err(out, ref)
@@ -189,7 +190,7 @@ def run_bench(timer, seed: int, copy_bw: float, cfg: DecodeConfig, pages=(16, 64
             q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             kc = torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             vc = torch.randn_like(kc)
-            row = {"B": batch, "L": length, "kv_bytes": kv_bytes(batch, length), "copy_bw": copy_bw}
+            row: dict[str, Any] = {"B": batch, "L": length, "kv_bytes": kv_bytes(batch, length), "copy_bw": copy_bw}
             for flush in ("clean", "dirty"):
                 row[f"sdpa_{flush}_us"], row["sdpa_backend"] = time_sdpa(timer, q, kc, vc, flush)
             del kc, vc
@@ -315,7 +316,7 @@ def table(bench: list[dict], page: int, flush: str) -> str:
 
     lines = []
     for r in bench:
-        flash, fdpp = r.get(f"flash{p}_{flush}_us"), r.get(f"fdpp{p}_{flush}_us")
+        flash, fdpp = r[f"flash{p}_{flush}_us"], r[f"fdpp{p}_{flush}_us"]
         lines.append(
             f"| {r['B']} | {r['L'] // K}K | {r['kv_bytes'] / r['copy_bw'] * 1e6:.1f} | {cell(r, 'sdpa')} "
             f"| {cell(r, 'standard', False)} | {cell(r, 'flash')} | {cell(r, 'fdpp')} | {cell(r, 'fdpp_phi', False)} "
@@ -333,9 +334,10 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
-    result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "command": " ".join(sys.argv), "seed": args.seed}}
+    result: dict[str, Any] = {
+        "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": triton.__version__, "command": " ".join(sys.argv), "seed": args.seed}}
     timer = Timer()
     copy_bw = copy_bandwidth()
     noop = torch.zeros(1, device="cuda")
@@ -377,7 +379,7 @@ def main() -> None:
         print_sweep(result["sweep"])
     if "check" in result:
         bad = [r for r in result["check"] if not r["ok"]]
-        worst = {}
+        worst: dict[str, float] = {}
         for r in result["check"]:
             worst[r["variant"]] = max(worst.get(r["variant"], 0.0), r["rel_err"])
         print(f"checks: {len(result['check'])} run, {len(bad)} failed; worst rel err per variant: "

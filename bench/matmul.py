@@ -22,7 +22,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,7 @@ MAX_REL_ERR = 1e-2
 GOAL_SPEEDUP = 1.3            # flat/adaptive vs cuBLAS on qkv and o at M <= 16
 GOAL_ADAPTIVE_SLOWDOWN = 1.03  # adaptive / cuBLAS at every M <= 256
 ROUNDS = 3
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (x [M, K], weight [N, K]) -> x · weightᵀ
 
 
 def get_table(path: str | None, quick: bool) -> tuple[MatmulTable, str]:
@@ -56,11 +59,16 @@ def get_table(path: str | None, quick: bool) -> tuple[MatmulTable, str]:
     return table, "tuned in this run"
 
 
-def variants(m: int, adaptive: AdaptiveMatmul) -> dict[str, object]:
-    fns = {"cublas": F.linear, "flat": flat_gemm, "adaptive": adaptive}
+def variants(m: int, adaptive: AdaptiveMatmul) -> dict[str, Product]:
+    fns: dict[str, Product] = {"cublas": F.linear, "flat": flat_gemm, "adaptive": adaptive}
     if m <= GEMV_MAX_M:
         fns["gemv"] = gemv
     return fns
+
+
+def _on_copy(fn: Product, x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """What GraphTimer calls with a copy index i: fn on x and the i-th weight copy."""
+    return lambda i: fn(x, weights[i])
 
 
 def run(ms: list[int], adaptive: AdaptiveMatmul, copy_bw: float, seed: int) -> list[dict]:
@@ -73,9 +81,10 @@ def run(ms: list[int], adaptive: AdaptiveMatmul, copy_bw: float, seed: int) -> l
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             ref = F.linear(x.float(), w0.float())
-            row = {"shape": name, "K": k, "N": n, "M": m, "adaptive_choice": adaptive.choose(m, n, k).impl,
-                   "floor_us": 2 * (n * k + m * k + m * n) / copy_bw * 1e6}
-            timed = {}
+            row: dict[str, Any] = {"shape": name, "K": k, "N": n, "M": m,
+                                   "adaptive_choice": adaptive.choose(m, n, k).impl,
+                                   "floor_us": 2 * (n * k + m * k + m * n) / copy_bw * 1e6}
+            timed: dict[str, Product] = {}
             for vname, fn in variants(m, adaptive).items():
                 out = fn(x, w0)
                 err = float((out.float() - ref).norm() / ref.norm())
@@ -86,7 +95,7 @@ def run(ms: list[int], adaptive: AdaptiveMatmul, copy_bw: float, seed: int) -> l
             samples: dict[str, list[float]] = {v: [] for v in timed}
             for _ in range(ROUNDS):
                 for vname, fn in timed.items():
-                    samples[vname].append(timer(lambda i, f=fn, xx=x, ws=weights: f(xx, ws[i]), copies))
+                    samples[vname].append(timer(_on_copy(fn, x, weights), copies))
             for vname, ts in samples.items():
                 row[f"{vname}_us"] = statistics.median(ts)
                 row[f"{vname}_rounds_us"] = ts

@@ -1,1 +1,2 @@
-"""Paged attention kernels (decode: standard, Flash-Decoding, FlashDecoding++; prefill; KV store) and their torch references."""
+"""Paged attention kernels (decode: standard, Flash-Decoding, FlashDecoding++; prefill; KV store) and their torch
+references."""

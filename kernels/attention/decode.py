@@ -6,15 +6,13 @@ functional entry point. `kernels.attention.reference.decode_reference` is its si
 """
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 from kernels.attention.fdpp import FdppDecodePlan, fdpp_decode, plan_fdpp_decode, run_fdpp_decode
 from kernels.attention.flash_decoding import FlashDecodePlan, flash_decode, plan_flash_decode, run_flash_decode
 from kernels.vendor import DecodeConfig
 
-DecodePlan = Union[FlashDecodePlan, FdppDecodePlan]
+DecodePlan = FlashDecodePlan | FdppDecodePlan
 VARIANTS = ("standard", "flash", "fdpp")
 
 

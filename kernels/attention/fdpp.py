@@ -61,7 +61,7 @@ def _estimate_phi(q, K, bt_row, L, hk, stride_kb, stride_kt, stride_kh, scale_lo
 
 
 @triton.jit
-def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
+def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
               stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
               GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
@@ -69,10 +69,10 @@ def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_
     """Range-check the summed rows, count the bad ones, recompute them exactly if asked, store."""
     rows = tl.arange(0, BLOCK_H)
     excess = m - phi
-    bad = (excess > hi_win) | (excess < lo_win) | (l != l) | (l == float("inf")) | (l <= 0)
+    bad = (excess > hi_win) | (excess < lo_win) | (denom != denom) | (denom == float("inf")) | (denom <= 0)
     bad = bad & (rows < GROUP) & (L > 0)
     num_bad = tl.sum(bad.to(tl.int32), 0)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if num_bad > 0:
         tl.atomic_add(STATS, num_bad.to(tl.int64))
         if FALLBACK:
@@ -107,7 +107,7 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                                 PAGE, D, EST_SINK, EST_N, UPCAST)
         else:
             phi = tl.full([BLOCK_H], phi_log2, tl.float32)
-        m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+        m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
                            phi, True, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST, PAGE_WINDOW)
         if num_splits > 1:
             rows = tl.arange(0, BLOCK_H)
@@ -115,24 +115,24 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
             ws = b.to(tl.int64) * NUM_HEADS + hk * GROUP + rows
             acc_ptr = WS_ACC + ws[:, None] * D + tl.arange(0, D)[None, :]
             tl.atomic_add(acc_ptr, acc, mask=row_ok[:, None], sem="relaxed")
-            tl.atomic_add(WS_L + ws, l, mask=row_ok, sem="relaxed")
+            tl.atomic_add(WS_L + ws, denom, mask=row_ok, sem="relaxed")
             tl.atomic_max(WS_M + ws, m, mask=row_ok, sem="relaxed")
             tl.debug_barrier()   # every thread's adds are issued before the counter's release
             count = WS_COUNT + b.to(tl.int64) * NUM_KV_HEADS + hk
             if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
                 # Last split: read the sums at L2 (atomics bypass a stale L1), then re-zero them.
                 acc = tl.atomic_add(acc_ptr, tl.zeros([BLOCK_H, D], tl.float32), mask=row_ok[:, None])
-                l = tl.atomic_add(WS_L + ws, tl.zeros([BLOCK_H], tl.float32), mask=row_ok)
+                denom = tl.atomic_add(WS_L + ws, tl.zeros([BLOCK_H], tl.float32), mask=row_ok)
                 m = tl.atomic_max(WS_M + ws, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
                 tl.store(acc_ptr, tl.zeros([BLOCK_H, D], tl.float32), mask=row_ok[:, None])
                 tl.store(WS_L + ws, tl.zeros([BLOCK_H], tl.float32), mask=row_ok)
                 tl.store(WS_M + ws, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
                 tl.store(count, 0)
-                _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
+                _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
                           stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
                           GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
         else:
-            _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, l, m, phi, lo_win, hi_win,
+            _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
                       stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
                       GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
 
@@ -183,7 +183,7 @@ class FdppDecodePlan:
     hi_win: float
     consts: dict[str, Any]           # the kernel's constexprs
     launch: dict[str, Any]           # its launch options
-    workspace: tuple[torch.Tensor, ...]   # (acc, l, m, count), zeroed between launches (`_Workspace`)
+    workspace: tuple[torch.Tensor, ...]   # (acc, denom, m, count), zeroed between launches (`_Workspace`)
     scratch_stats: torch.Tensor | None    # the counter of runs given no `stats`
 
     @property

@@ -47,12 +47,12 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
         hi = tl.minimum(lo + chunk, L)
         q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
-        m, l, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
+        m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
                            scale_log2, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
                            PAGE_WINDOW)
         if num_splits == 1:
             # One split (short sequence, large batch, or "standard"): normalise here, no merge.
-            store_rows(OUT, acc / tl.where(l > 0, l, 1.0)[:, None], b, hk, stride_ob, stride_oh,
+            store_rows(OUT, acc / tl.where(denom > 0, denom, 1.0)[:, None], b, hk, stride_ob, stride_oh,
                        GROUP, BLOCK_H, D)
         else:
             rows = tl.arange(0, BLOCK_H)
@@ -60,7 +60,7 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
             part = (b.to(tl.int64) * NUM_HEADS + hk * GROUP + rows) * max_splits + split
             tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc, mask=row_ok[:, None])
             tl.store(P_ML + part * 2, m, mask=row_ok)
-            tl.store(P_ML + part * 2 + 1, l, mask=row_ok)
+            tl.store(P_ML + part * 2 + 1, denom, mask=row_ok)
 
 
 @triton.jit
@@ -81,10 +81,10 @@ def _merge_kernel(SEQ, OUT, P_ACC, P_ML, stride_ob, stride_oh, max_splits, min_c
         ok = split < num_splits
         part = (b.to(tl.int64) * NUM_HEADS + h) * max_splits + split
         m = tl.load(P_ML + part * 2, mask=ok, other=float("-inf"))
-        l = tl.load(P_ML + part * 2 + 1, mask=ok, other=0.0)
+        denom = tl.load(P_ML + part * 2 + 1, mask=ok, other=0.0)
         acc = tl.load(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
         w = tl.exp2(m - tl.max(m, 0))
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
         ptr = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + tl.arange(0, D)
         tl.store(ptr, out.to(OUT.dtype.element_ty))
 

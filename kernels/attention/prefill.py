@@ -42,7 +42,7 @@ def _prefill_kernel(Q, K, V, BT, SEQ, QSL, OUT,
         bt_row = BT + b.to(tl.int64) * stride_bt
         hi = tl.minimum(L, first_pos + (tile + 1) * BLOCK_M)     # the tile's last row sees up to here
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for start in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
             k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
@@ -53,10 +53,10 @@ def _prefill_kernel(Q, K, V, BT, SEQ, QSL, OUT,
             m_new = tl.maximum(m, tl.max(s, 1))      # key 0 is visible to every row: m is finite
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / l[:, None]
+        out = acc / denom[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
 

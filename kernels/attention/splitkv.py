@@ -78,10 +78,10 @@ def load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl
 
 
 @triton.jit
-def softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC: tl.constexpr):
-    """Fold one KV tile into (m, l, acc), log2 units.
+def softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC: tl.constexpr):
+    """Fold one KV tile into (m, denom, acc), log2 units.
 
-    Exact: online softmax, rescaling l and acc whenever the running max m grows.
+    Exact: online softmax, rescaling denom and acc whenever the running max m grows.
     ASYNC (FD++): exponentiate against the unified max φ; no rescale. m is then only the true
     row max, kept (one reduction, no exponential) for the range check.
     """
@@ -89,16 +89,16 @@ def softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC: tl.constexpr
     if ASYNC:
         m = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - phi[:, None])
-        l += tl.sum(p, 1)
+        denom += tl.sum(p, 1)
         acc += tl.dot(p.to(v.dtype), v)
     else:
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    return m, l, acc
+    return m, denom, acc
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
            ASYNC: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
            D: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
            PAGE_WINDOW: tl.constexpr):
-    """(m, l, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`). Three loops:
+    """(m, denom, acc) of the rows `q` over tokens [lo, hi) (see `softmax_step`). Three loops:
 
     default: the page id is read inside the tile loop. Triton's pipeliner then keeps a single
         K/V buffer and waits for each tile; several resident CTAs per SM hide the latency, and
@@ -126,7 +126,7 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
         one iteration early; for targets where num_stages = 1 leaves no Triton pipelining.
     """
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     if PAGE_WINDOW > 0:
         # One page-table load per window: the tile loop then holds no load that feeds another
@@ -149,7 +149,7 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
                     tok = tl.reshape(tl.broadcast_to(tile_pages[:, None], [NPT, PAGE]), [BLOCK_N]) * stride_kb
                 tok += (offs % PAGE).to(tl.int64) * stride_kt + hk * stride_kh
                 k, v = load_tile(K, V, tok, valid, D, UPCAST)
-                m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
+                m, denom, acc = softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC)
     elif PREFETCH:
         tok, valid = tile_tokens(bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N)
         k, v = load_tile(K, V, tok, valid, D, UPCAST)
@@ -159,7 +159,7 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
             k_n, v_n = load_tile(K, V, tok_n, valid_n, D, UPCAST)
             tok_nn, valid_nn = tile_tokens(bt_row, start + 2 * BLOCK_N, hi, hk, stride_kb, stride_kt,
                                            stride_kh, PAGE, BLOCK_N)
-            m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
+            m, denom, acc = softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC)
             k = k_n
             v = v_n
             valid = valid_n
@@ -169,8 +169,8 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
         for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
                                        PAGE, BLOCK_N, D, UPCAST)
-            m, l, acc = softmax_step(q, k, v, valid, m, l, acc, phi, scale_log2, ASYNC)
-    return m, l, acc
+            m, denom, acc = softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC)
+    return m, denom, acc
 
 
 @triton.jit

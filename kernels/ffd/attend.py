@@ -63,7 +63,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                    D4: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, COUNT: tl.constexpr,
                    HAS_KMAP: tl.constexpr, PDL: tl.constexpr):
-    """Partial (m, l, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
+    """Partial (m, denom, acc) of one split. Kept blocks: ranks [split * per, split * per + n_mine) with
     per = max(ceil(kept / NUM_SPLITS), MIN_PER_SPLIT, min(ceil(KEPT_TOTAL / resident), PER_MAX))
     <= PER_MAX (see `attend_slots`), so the splits cover every kept block exactly once. The last
     term (resident > 0) makes the batch's busy splits one round: with resident = the programs the
@@ -82,7 +82,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
     row_ok = rows < GROUP
     heads = hk * GROUP + rows
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt
     row = b.to(tl.int64) * NUM_KV_HEADS + hk
@@ -98,7 +98,7 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
         for blk in range(lo, hi):
             raw, v, valid = _exact_tile(q, K, V, KMAP, bt_row, blk, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
                                         UPCAST, HAS_KMAP)
-            m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+            m, denom, acc = _online(m, denom, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
     else:
         flag_row = FLAGS + row * max_blocks
         kept_total = tl.load(KEPT_TOTAL)                # issued beside the flag row's loads, not after them
@@ -131,17 +131,17 @@ def _attend_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, FLAGS, SLOTS, P_A
                 page = tl.sum(tl.where(slots == i, my_pages, 0), 0).to(tl.int64)
                 raw, v = _kept_block(q0, q1, q2, q3, CODES, SCALES, RES, V, page, hk, stride_kb, stride_kt,
                                      stride_kh, NUM_KV_HEADS, BLOCK_H, BS, D, D4, UPCAST)
-                m, l, acc = _online(m, l, acc, raw * scale_log2, v)
+                m, denom, acc = _online(m, denom, acc, raw * scale_log2, v)
         if (split == NUM_SPLITS - 1) & (L > nq * BS):   # the exact tail, once per sequence
             raw, v, valid = _exact_tile(q, K, V, KMAP, bt_row, nq, L, hk, stride_kb, stride_kt, stride_kh, BS, D,
                                         UPCAST, HAS_KMAP)
-            m, l, acc = _online(m, l, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
+            m, denom, acc = _online(m, denom, acc, tl.where(valid[None, :], raw * scale_log2, float("-inf")), v)
         if COUNT:   # once per (sequence, KV head); read after the launch, so no fence
             tl.atomic_add(STATS, nq.to(tl.int64), mask=split == 0, sem="relaxed")
             tl.atomic_add(STATS + 1, kept.to(tl.int64), mask=split == 0, sem="relaxed")
     part = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(P_ML + part * 2, m, mask=row_ok)
-    tl.store(P_ML + part * 2 + 1, l, mask=row_ok)
+    tl.store(P_ML + part * 2 + 1, denom, mask=row_ok)
     # an empty split's acc is never read (the merge masks it by m = -inf): no store
     tl.store(P_ACC + part[:, None] * D + tl.arange(0, D)[None, :], acc,
              mask=(row_ok & (m > float("-inf")))[:, None])
@@ -155,7 +155,7 @@ def _merge_kernel(OUT, P_ACC, P_ML, SYNC, stride_ob, stride_oh, NUM_SPLITS: tl.c
                   PDL: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head)'s splits over channels [c * DC, (c + 1) * DC).
 
-    All splits at once (one round trip for m, l, one for acc); empty splits (m = -inf) weigh 0 and
+    All splits at once (one round trip for m, denom, one for acc); empty splits (m = -inf) weigh 0 and
     their acc is not read. A row with no token at all (L = 0) gets 0. The decode's counters are
     zeroed for the next call here, where the scan (READY) and the attend (the kept-block total) have
     finished: program (0, 0, 0) the total, the first program of each (sequence, KV head) its READY."""

@@ -244,9 +244,10 @@ def plan_ffd_decode(batch: int, num_heads: int, kv_heads: int, dim: int, block_s
     bs = block_size
     max_blocks = max(1, table_width)
     delta = params.delta_log2 if math.isfinite(params.delta_log2) else 1e30
-    flags_of = dict(batch=batch, num_heads=num_heads, kv_heads=kv_heads, dim=dim, block_size=bs,
-                    table_width=table_width, dtype=dtype, params=params, has_key_page_map=has_key_page_map,
-                    write_masks=write_masks, count_stats=count_stats, max_blocks=max_blocks, delta=delta)
+    flags_of: dict[str, Any] = dict(
+        batch=batch, num_heads=num_heads, kv_heads=kv_heads, dim=dim, block_size=bs, table_width=table_width,
+        dtype=dtype, params=params, has_key_page_map=has_key_page_map, write_masks=write_masks,
+        count_stats=count_stats, max_blocks=max_blocks, delta=delta)
     if batch == 0:
         return FFDDecodePlan(**flags_of, sync=None, pm=None, bmax=None, flags=None, slots=None, p_acc=None,
                              p_ml=None)

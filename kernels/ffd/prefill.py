@@ -43,14 +43,14 @@ PREFILL_WARPS = 4        # 4 warps x 64 rows beat 8 warps in the H200 sweep (ben
 
 
 @triton.jit
-def _online_masked(m, l, acc, z, v):
+def _online_masked(m, denom, acc, z, v):
     """One online-softmax step (base 2) where a row may have seen no visible token yet (m = -inf
     and z all -inf): it stays empty instead of turning into NaN."""
     m_new = tl.maximum(m, tl.max(z, 1))
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp2(m - m_ref)
     p = tl.exp2(z - m_ref[:, None])
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _ffd_prefill_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
 
         # pass 2: attend
         m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
+        denom = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         for blk in range(last_page + 1):
             page = tl.load(bt_row + blk).to(tl.int64)
@@ -178,13 +178,14 @@ def _ffd_prefill_kernel(Q, K, V, KMAP, CODES, SCALES, RES, BT, SEQ, QSL, OUT,
             # `_page_scores`' exact part, inline and after the quantized branch: computed first, its
             # scores live longer and the loop runs slower
             if blk >= nq_lo:
-                k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
+                k = _page_tile(K, key_page(KMAP, page, HAS_KMAP), hk, stride_kb, stride_kt, stride_kh, toks < L,
+                               BS, D, UPCAST)
                 ze = tl.dot(q, tl.trans(k)) * scale_log2
                 z = tl.where((~quant)[:, None] & (toks[None, :] <= pos[:, None]), ze, z)
             if tl.max(tl.max(z, 1), 0) > float("-inf"):
                 v = _page_tile(V, page, hk, stride_kb, stride_kt, stride_kh, toks < L, BS, D, UPCAST)
-                m, l, acc = _online_masked(m, l, acc, z, v)
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+                m, denom, acc = _online_masked(m, denom, acc, z, v)
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tok = (q_start + i).to(tl.int64)
         tl.store(OUT + tok[:, None] * stride_ot + (hk * GROUP + g)[:, None] * stride_oh + tl.arange(0, D)[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -222,7 +223,8 @@ def ffd_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
         q, k_cache, v_cache, seq_lens if key_page_map is None else key_page_map, codes, scales, residual,
         block_tables, seq_lens, query_start_loc, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E, min(params.delta_log2, 1e30), params.sink_tokens, params.local_window,
-        params.min_ffd_len, NUM_KV_HEADS=kv_heads, GROUP=group, GP=gp, BLOCK_M=block_m, D=dim, D4=dim // 4, BS=bs,
+        out.stride(0), out.stride(1), scale * LOG2E, min(params.delta_log2, 1e30), params.sink_tokens,
+        params.local_window, params.min_ffd_len,
+        NUM_KV_HEADS=kv_heads, GROUP=group, GP=gp, BLOCK_M=block_m, D=dim, D4=dim // 4, BS=bs,
         UPCAST=interpreting(), HAS_KMAP=key_page_map is not None, num_warps=PREFILL_WARPS)
     return out

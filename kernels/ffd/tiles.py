@@ -161,11 +161,11 @@ def _refined_plane(byte, r, j: tl.constexpr):
     if j == 0:
         asm: tl.constexpr = REFINED_ASM_0
     elif j == 1:
-        asm: tl.constexpr = REFINED_ASM_1
+        asm: tl.constexpr = REFINED_ASM_1  # type: ignore[no-redef]  # the jit reads each branch's annotation
     elif j == 2:
-        asm: tl.constexpr = REFINED_ASM_2
+        asm: tl.constexpr = REFINED_ASM_2  # type: ignore[no-redef]  # the jit reads each branch's annotation
     else:
-        asm: tl.constexpr = REFINED_ASM_3
+        asm: tl.constexpr = REFINED_ASM_3  # type: ignore[no-redef]  # the jit reads each branch's annotation
     return tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r,r", args=[byte, rb], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
 
@@ -235,12 +235,12 @@ def _exact_tile(q, K, V, KMAP, bt_row, blk, L, hk, stride_kb, stride_kt, stride_
 
 
 @triton.jit
-def _online(m, l, acc, z, v):
+def _online(m, denom, acc, z, v):
     """One online-softmax step (base 2) with scores z [BLOCK_H, BS] (-inf = masked) and V tile."""
     m_new = tl.maximum(m, tl.max(z, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(z - m_new[:, None])
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit

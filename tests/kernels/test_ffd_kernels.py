@@ -220,7 +220,7 @@ def test_backend_glue_triton_equals_reference():
     for backend in backends:    # every exact K page kept (the "auto" layout); the pool: test_ffd_compact.py
         backend.compact = False
     kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
-    for backend, cache in zip(backends, kv):
+    for backend, cache in zip(backends, kv, strict=True):
         backend.allocate(cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
@@ -232,7 +232,7 @@ def test_backend_glue_triton_equals_reference():
     k = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     v = torch.randn(len(slots), 2, 64, generator=gen).to(DEV)
     outs, counters = [], []
-    for backend, cache in zip(backends, kv):
+    for backend, cache in zip(backends, kv, strict=True):
         backend.store(0, k, v, cache[0, 0], cache[1, 0], slots)
         qsl = torch.tensor([0, 200, 330, 393], dtype=torch.int32, device=DEV)
         q_prompt = torch.randn(len(slots), 8, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
