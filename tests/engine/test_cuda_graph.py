@@ -32,7 +32,7 @@ def test_counters_scale_host_floats_keep_device_tensors():
 
 
 def test_cpu_engine_runs_eagerly_and_says_so(tmp_path):
-    llm = LLM(model=make_tiny_model(tmp_path, "llama"), cuda_graphs=True, num_kv_blocks=64)
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), cuda_graphs=True, num_kv_blocks=64, gpu_vendor="cpu")
     assert llm.engine.runner.graphs is None
     assert "eager" in llm.engine.graphs_text and "cpu" in llm.engine.graphs_text
     with pytest.raises(ValueError, match="CUDA device"):
