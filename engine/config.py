@@ -11,7 +11,7 @@ import fnmatch
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -151,7 +151,7 @@ class FdserveConfig(_Section):
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def interpolate_env(value: Any, path: str = "", env: dict[str, str] | None = None) -> Any:
+def interpolate_env(value: Any, path: str = "", env: Mapping[str, str] | None = None) -> Any:
     """Replace `${VAR}` / `${VAR:-default}` in every string of a parsed TOML tree."""
     env = os.environ if env is None else env
     if isinstance(value, dict):

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,7 +100,7 @@ class AsyncEngine:
 
     # ----- requests --------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         if self._dead is not None:
             raise EngineDead(self._dead)
         if not self._accepting:

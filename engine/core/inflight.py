@@ -46,6 +46,6 @@ def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch
         pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         pinned.copy_(tensor, non_blocking=True)
         host.append(pinned)
-    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
     ready.record()
     return host, ready

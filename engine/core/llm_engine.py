@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,7 +65,8 @@ class LLMEngine:
         self.max_new_tokens = config.model.max_new_tokens
         self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
         self.backend = self._make_backend()
-        self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling, self.max_context_len)
+        self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling,
+                                self.max_context_len)
         # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
         configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
         block_size = self.backend.page_size(config.backend.block_size)
@@ -221,7 +221,7 @@ class LLMEngine:
             self._add_counters(result.counters)
             if result.sampled_seqs:
                 samples = self.isolation.sample(result.logits, result.sampled_seqs)
-                for seq, sample in zip(result.sampled_seqs, samples):
+                for seq, sample in zip(result.sampled_seqs, samples, strict=True):
                     self.output_processor.accept(seq, sample)
                     accepted.append(seq)
         return self.output_processor.step_outputs(accepted)
@@ -229,13 +229,11 @@ class LLMEngine:
     def _record_prompt_logprobs(self, prompt_hidden: list[PromptHidden]) -> None:
         """Score the prompt tokens a forward predicted, for sequences that ask (a recomputed
         prefix after preemption is not scored twice)."""
-        # Every model class has compute_logits; nn.Module does not declare it.
-        compute_logits = cast(Callable[[torch.Tensor], torch.Tensor], self.runner.model.compute_logits)
         for part in prompt_hidden:
             seq, k = part.seq, part.seq.params.prompt_logprobs
             assert k is not None, "only sequences asking for prompt logprobs score their prompt"
             for lo in range(0, part.hidden.shape[0], PROMPT_LOGITS_ROWS):
-                logits = compute_logits(part.hidden[lo:lo + PROMPT_LOGITS_ROWS])
+                logits = self.model.compute_logits(part.hidden[lo:lo + PROMPT_LOGITS_ROWS])
                 first = part.first + lo
                 targets = seq.token_ids[first:first + logits.shape[0]]
                 for pos, entry in enumerate(self.sampler.token_logprobs(logits, targets, k), start=first):
@@ -309,7 +307,7 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """Hand the step's sampled tokens, now on the host, to the output processor and report them."""
         accepted: list[Sequence] = []
-        for seq, result in zip(step.seqs, self.sampler.results(step.read(), step.seqs)):
+        for seq, result in zip(step.seqs, self.sampler.results(step.read(), step.seqs), strict=True):
             if seq.is_finished:   # aborted, or ended by the step before (this row is dropped)
                 continue
             if seq.num_in_flight_tokens == 0:

@@ -29,7 +29,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # with SamplingParams.prompt_logprobs: per prompt token, None first
+    # with SamplingParams.prompt_logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -53,6 +54,7 @@ def overrides_to_dotted(overrides: dict[str, Any]) -> dict[str, str | Any]:
             key = "model.name"
         key = key.replace("__", ".")
         if "." not in key:
+            # f.annotation is Optional in pydantic's types, but every FdserveConfig field is a section model
             owners = [s for s, f in sections.items() if key in f.annotation.model_fields]  # type: ignore[union-attr]
             if len(owners) != 1:
                 raise ConfigError(f"{key}: {'ambiguous' if owners else 'unknown'} setting; "

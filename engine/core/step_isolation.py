@@ -97,7 +97,7 @@ class StepIsolation:
             return out
         parts = [keep] if culprits else [keep[:len(keep) // 2], keep[len(keep) // 2:]]
         for part in parts:
-            for i, result in zip(part, self.sample(_rows(logits, part), [seqs[i] for i in part])):
+            for i, result in zip(part, self.sample(_rows(logits, part), [seqs[i] for i in part]), strict=True):
                 out[i] = result
         return out
 

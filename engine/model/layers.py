@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 
 from engine.model.rope import cos_sin_tables
 from kernels import fused
+
+if TYPE_CHECKING:
+    from engine.config import FlashDecodingConfig
 
 WeightLoader = Callable[..., None]
 logger = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _matmul(x, weight, bias)
 
 
-def configure_matmul(fd: Any, device: torch.device, dtype: torch.dtype,
+def configure_matmul(fd: FlashDecodingConfig, device: torch.device, dtype: torch.dtype,
                      shapes: dict[str, tuple[int, int]] | None = None, table_path: str | None = None) -> str:
     """Choose what `linear` runs from `[flashdecoding]` (fd) and the device; log and return it.
 
@@ -118,7 +121,7 @@ def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None,
     # Left uninitialised: load_weights checks that every parameter receives checkpoint data.
     param = nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype()),
                          requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]  # the loader rides on the parameter itself
     return param
 
 
@@ -175,6 +178,9 @@ class RotaryEmbedding(nn.Module):
     for positions [0, max_position) and the rotation runs in float32.
     Scalings (`scaling["rope_type"]`, None = plain RoPE): those of engine/model/rope.py.
     """
+
+    cos_cache: torch.Tensor   # buffers, registered in __init__
+    sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.attention.layer import Attention
+from engine.model.causal_lm import CausalLM
 from engine.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -31,6 +32,9 @@ from engine.model.layers import (
 )
 from engine.model.rope import get_rope_parameters
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 # (fused parameter, checkpoint projection, shard id)
@@ -45,11 +49,11 @@ STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def _head_dim(cfg: Any) -> int:
+def _head_dim(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _sliding_window(cfg: Any) -> int | None:
+def _sliding_window(cfg: PretrainedConfig) -> int | None:
     """The attention window the checkpoint was trained with, if any (Mistral v0.1, some Qwen)."""
     if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
         return None
@@ -57,7 +61,7 @@ def _sliding_window(cfg: Any) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
@@ -72,7 +76,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         _, tp_size = get_tp_rank_and_size()
         self.head_dim = _head_dim(cfg)
@@ -107,7 +111,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
@@ -128,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         head_dim = _head_dim(cfg)
@@ -151,10 +155,10 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The model the runner drives: forward over a flat token batch, logits for chosen rows."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from engine.config import RopeScaling
 from engine.model.cache_dir import cache_root
+from engine.model.causal_lm import CausalLM
 from engine.model.synthetic import build_synthetic_model, synthetic_marker, synthetic_model_dir
 
 logger = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               rope_scaling: RopeScaling | None = None, max_position: int = 0) -> nn.Module:
+               rope_scaling: RopeScaling | None = None, max_position: int = 0) -> CausalLM:
     """Build our model class for `model_dir/config.json` on `device` and load its weights;
     `rope_scaling` ([model] rope_scaling) replaces the checkpoint's, with tables for `max_position`."""
     from transformers import AutoConfig
@@ -321,7 +321,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(hf_config, dtype)
-    model.load_weights(iter_safetensors(model_dir))  # type: ignore[operator]
+    model.load_weights(iter_safetensors(model_dir))
     logger.info("loaded %s (%s) in %.1f s", model_dir, model_cls.__name__, time.perf_counter() - start)
     return model.eval()
 

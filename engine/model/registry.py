@@ -1,13 +1,15 @@
 """Model registry: HF `architectures` name -> our implementation."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from torch import nn
-
+from engine.model.causal_lm import CausalLM
 from engine.model.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,7 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
+def get_model_class(hf_config: PretrainedConfig) -> type[CausalLM]:
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:
         if arch in MODEL_REGISTRY:

@@ -14,16 +14,19 @@ the model is built with it and its tables cover the longer context.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import RopeScaling
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
-def get_rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+def get_rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a config of transformers 4 or 5.
 
     transformers 5 keeps both in `rope_parameters` ({"rope_type", "rope_theta", ...});
@@ -43,7 +46,7 @@ def get_rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def apply_rope_scaling(hf_config: Any, scaling: RopeScaling, max_position: int) -> None:
+def apply_rope_scaling(hf_config: PretrainedConfig, scaling: RopeScaling, max_position: int) -> None:
     """Replace the checkpoint's RoPE scaling with `scaling`; tables cover `max_position` positions."""
     theta, _ = get_rope_parameters(hf_config)
     own = int(hf_config.max_position_embeddings)

@@ -14,12 +14,16 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.model.cache_dir import cache_root
+from engine.model.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SYNTHETIC_PREFIX = "synthetic:"
 MARKER_FILE = "synthetic.json"
@@ -56,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def is_synthetic_name(name: str | None) -> bool:
-    return bool(name) and name.startswith(SYNTHETIC_PREFIX)  # type: ignore[union-attr]
+    return name is not None and name.startswith(SYNTHETIC_PREFIX)
 
 
 def synthetic_marker(model_dir: Path) -> dict[str, Any] | None:
@@ -148,7 +152,8 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, INIT_STD, generator=generator)
 
 
-def build_synthetic_model(model_dir: Path, dtype: torch.dtype, device: torch.device, hf_config: Any) -> nn.Module:
+def build_synthetic_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+                          hf_config: PretrainedConfig) -> CausalLM:
     """Our model class for `model_dir`'s config (`hf_config`, read from it), randomly initialised
     with the marker's seed."""
     from engine.model.registry import get_model_class

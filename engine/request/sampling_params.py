@@ -87,7 +87,8 @@ class SamplingParams:
     def validate_for_vocab(self, vocab_size: int) -> None:
         """What needs the vocabulary: a logit_bias of -100 bans a token, and banning them all
         leaves nothing to generate."""
-        banned = {int(t) for t, bias in self.logit_bias.items() if float(bias) <= BANNED_BIAS and 0 <= int(t) < vocab_size}
+        banned = {int(t) for t, bias in self.logit_bias.items()
+                  if float(bias) <= BANNED_BIAS and 0 <= int(t) < vocab_size}
         if len(banned) >= vocab_size:
             raise SamplingParamsError(f"logit_bias bans every token of the vocabulary ({vocab_size}); "
                                       "leave at least one above -100", "logit_bias")

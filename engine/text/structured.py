@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared only in the stub; llguidance loads lazily
+
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "lenient": True}
 # Per HF tokenizer object (weakly held: a new tokenizer may reuse a dead one's id) and settings.
 _tokenizer_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizer_lock = threading.Lock()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from engine.config import FdserveConfig
     from kernels.gemm.dispatch import Choice, MatmulTable
     from kernels.gemm.matmul import MatmulConfig
 
@@ -223,8 +224,11 @@ def _tune_one(timer: GraphTimer, x: torch.Tensor, weights: list[torch.Tensor], d
             if not err <= MAX_REL_ERR:
                 failures.append(f"{name} {k}x{n} M={m} {impl} {cfg}: rel err {err:.2e}")
                 continue
-            t = timer(lambda i, c=cfg, f=kernel: f(x, weights[i], config=c, double_buffer=double_buffer),
-                      len(weights))
+
+            def run(i: int, c: MatmulConfig = cfg, f: Callable[..., torch.Tensor] = kernel) -> torch.Tensor:
+                return f(x, weights[i], config=c, double_buffer=double_buffer)
+
+            t = timer(run, len(weights))
             times[impl] = min(times.get(impl, math.inf), t)
             if t < best[0]:
                 best = (t, Choice(impl, cfg))
@@ -246,7 +250,7 @@ def _row(name: str, k: int, n: int, m: int, times: dict[str, float], chosen: Cho
 
 # ----- the subcommand ----------------------------------------------------------------------------
 
-def run(config: Any, args: argparse.Namespace) -> int:
+def run(config: FdserveConfig, args: argparse.Namespace) -> int:
     """`fdserve tune` with the parsed config (`[model]`, `[flashdecoding] double_buffer`)."""
     import torch
 

@@ -126,12 +126,12 @@ class Sampler:
             chosen, top_v, top_i = logprobs
             for j, i in enumerate(rows):
                 n = params[i].logprobs
-                found[i] = TokenLogprob(token_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+                found[i] = TokenLogprob(token_ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n], strict=True)))
         return [SampleResult(t, found.get(i)) if ok else SampleResult(t, None, NO_ADMISSIBLE_TOKEN)
-                for i, (t, ok) in enumerate(zip(token_ids, admissible))]
+                for i, (t, ok) in enumerate(zip(token_ids, admissible, strict=True))]
 
     def checkpoint(self, seqs: list[Sequence]) -> RngCheckpoint:
-        seeded = {s.seq_id: self._generator(s).get_state() for s in seqs if s.params.seed is not None}
+        seeded = {s.seq_id: self._generator(s, s.params.seed).get_state() for s in seqs if s.params.seed is not None}
         return RngCheckpoint(torch.get_rng_state(), seeded)
 
     def restore(self, checkpoint: RngCheckpoint) -> None:
@@ -146,7 +146,8 @@ class Sampler:
         theirs) with the row's top k: prompt tokens scored in the prefill."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
         chosen, top_v, top_i = (t.tolist() for t in _logprob_columns(logits[:, :self.vocab_size], ids, k))
-        return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_i, top_v)]
+        return [TokenLogprob(t, c, list(zip(i, v, strict=True)))
+                for t, c, i, v in zip(token_ids, chosen, top_i, top_v, strict=True)]
 
     @staticmethod
     def needs_history(params: SamplingParams) -> bool:
@@ -197,7 +198,7 @@ class Sampler:
                     x[i] = processor(seq.output_token_ids, x[i])
         banned = self._min_tokens_bans(seqs, x.shape[1])
         if banned:
-            rows, cols = zip(*banned)
+            rows, cols = zip(*banned, strict=True)
             masked = x.clone()
             masked[list(rows), list(cols)] = float("-inf")
             # min_tokens yields where it would leave no token (e.g. a grammar that allows only EOS)
@@ -259,7 +260,7 @@ class Sampler:
         return x
 
     def _min_tokens_bans(self, seqs: list[Sequence], width: int) -> list[tuple[int, int]]:
-        banned = []
+        banned: list[tuple[int, int]] = []
         for i, seq in enumerate(seqs):
             p = seq.params
             if seq.num_output_tokens < p.min_tokens:
@@ -294,7 +295,7 @@ class Sampler:
         uniform = torch.rand(len(seqs), 1)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                uniform[i] = torch.rand(1, generator=self._generator(seq))
+                uniform[i] = torch.rand(1, generator=self._generator(seq, seq.params.seed))
         uniform = uniform.to(dev)  # drawn on the CPU so seeded streams are device-independent
         cdf = probs.cumsum_(dim=-1)
         total = cdf[:, -1:]
@@ -303,11 +304,12 @@ class Sampler:
         out = torch.searchsorted(cdf, target, right=True).squeeze(1)
         return out.clamp_(max=cdf.shape[1] - 1)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sequence, seed: int) -> torch.Generator:
+        """The seeded sequence's own stream; `seed` is its request's (`seq.params.seed`)."""
         gen = self._generators.get(seq.seq_id)
         if gen is None:  # kept across preemption: a recomputed sequence continues its stream
             gen = torch.Generator()
-            gen.manual_seed((seq.params.seed + seq.choice_index * _GOLDEN) % 2**64)
+            gen.manual_seed((seed + seq.choice_index * _GOLDEN) % 2**64)
             self._generators[seq.seq_id] = gen
         return gen
 
@@ -315,11 +317,12 @@ class Sampler:
 
     def _logprob_tensors(self, raw: Tensor, token_ids: Tensor, params: list[SamplingParams]) -> list[Tensor] | None:
         """[chosen [R], top values [R, k], top ids [R, k]] for the R rows that ask for logprobs."""
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
+        wanted = {i: p.logprobs for i, p in enumerate(params) if p.logprobs is not None}
+        if not wanted:
             return None
+        rows = list(wanted)
         ids = _take(token_ids, rows) if len(rows) == len(params) else token_ids[torch.tensor(rows, device=raw.device)]
-        return _logprob_columns(_take(raw, rows), ids, max(params[i].logprobs for i in rows))
+        return _logprob_columns(_take(raw, rows), ids, max(wanted.values()))
 
 
 def _logprob_columns(raw: Tensor, ids: Tensor, k: int) -> list[Tensor]:
@@ -386,7 +389,10 @@ def _top_p_(probs: Tensor, top_p: Tensor) -> Tensor:
         values = _take(probs, pending.tolist()).topk(k, dim=-1).values
         mass = values.cumsum(dim=-1)
         g = goal[pending]
-        done = (mass[:, -1:] >= g).squeeze(1) if k < width else torch.ones(len(pending), dtype=torch.bool, device=probs.device)
+        if k < width:
+            done = (mass[:, -1:] >= g).squeeze(1)
+        else:
+            done = torch.ones(len(pending), dtype=torch.bool, device=probs.device)
         # weight before it is short of goal; at least the heaviest (a top_p below float32's range is 0)
         n_keep = ((mass - values) < g).sum(dim=-1, keepdim=True).clamp_(min=1)
         threshold[pending[done]] = values.gather(1, n_keep - 1)[done]

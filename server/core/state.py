@@ -31,8 +31,7 @@ EXIT_ENGINE_FAILED = 3        # the engine stopped while serving (a device error
 def default_engine_factory(config: FdserveConfig) -> EngineClient:
     from engine.core.async_engine import AsyncEngine  # lazy: the model code loads with the engine, not the server
 
-    # AsyncEngine.generate is an async generator, but annotated AsyncIterator (no aclose) in engine/
-    return AsyncEngine(config)  # type: ignore[return-value]
+    return AsyncEngine(config)
 
 
 def public_base_url(config: FdserveConfig) -> str:

@@ -113,7 +113,7 @@ def test_logprobs_are_read_back_with_their_step(tiny_dir):
     engine_on, engine_off = on.engine, off.engine
     got = {}
     for engine, sink in ((engine_on, got.setdefault("on", {})), (engine_off, got.setdefault("off", {}))):
-        for i, (prompt, params) in enumerate(zip(batch, mixed)):
+        for i, (prompt, params) in enumerate(zip(batch, mixed, strict=True)):
             engine.add_request(f"m{i}", prompt, params)
         while engine.has_unfinished():
             for out in engine.step():

@@ -74,7 +74,8 @@ def test_overrides_win_over_file(tmp_path):
 
 def test_fixed_max_value_accepts_bool_or_number(tmp_path):
     assert load_config(write(tmp_path, "[flashdecoding]\nfixed_max_value = 6.5\n")).flashdecoding.fixed_max_value == 6.5
-    assert load_config(write(tmp_path, "[flashdecoding]\nfixed_max_value = true\n")).flashdecoding.fixed_max_value is True
+    config = load_config(write(tmp_path, "[flashdecoding]\nfixed_max_value = true\n"))
+    assert config.flashdecoding.fixed_max_value is True
 
 
 def test_missing_file_is_clear(tmp_path):

@@ -32,7 +32,7 @@ def test_greedy_matches_transformers_generate(llm):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     ours = llm.chat(chats, params)  # all three in one continuous batch
-    for chat, result in zip(chats, ours):
+    for chat, result in zip(chats, ours, strict=True):
         ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat))
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)

@@ -27,7 +27,7 @@ def test_concurrent_equals_alone(tiny_dir):
     batch = prompts(16)
     together = llm.generate(batch, GREEDY)
     alone = [llm.generate(p, GREEDY)[0] for p in batch]
-    for t, a in zip(together, alone):
+    for t, a in zip(together, alone, strict=True):
         assert t.token_ids == a.token_ids and len(t.token_ids) == 12
         assert t.finish_reason == "length"
     bm = llm.engine.block_manager
@@ -142,6 +142,6 @@ def test_prompt_logprobs_survive_preemption(tiny_dir):
     for t, a in zip(together, alone, strict=True):
         assert len(t.prompt_logprobs) == len(a.prompt_logprobs) == len(t.prompt_token_ids)
         assert [e.token_id for e in t.prompt_logprobs[1:]] == t.prompt_token_ids[1:]
-        for x, y in zip(t.prompt_logprobs[1:], a.prompt_logprobs[1:]):
+        for x, y in zip(t.prompt_logprobs[1:], a.prompt_logprobs[1:], strict=True):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
         assert t.token_ids == a.token_ids

@@ -85,7 +85,7 @@ def model_dir(tmp_path_factory) -> Path:
 def assert_equal_or_near_tie(a, b, tol: float = 0.05) -> None:
     """Greedy outputs agree, or first differ where the two candidates were within `tol` nats in
     run `a` (a near-tie that float rounding, e.g. atomics' summation order, may flip)."""
-    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)):  # the lengths are compared below
         if x != y:
             top = dict(a.outputs[0].logprobs[i].top)
             assert y in top and top[x] - top[y] < tol, (
@@ -106,9 +106,9 @@ def test_engine_end_to_end_on_gpu(model_dir, variant):
     prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (5, 17, 300, 1025, 64, 2000, 129, 900)]
     together = llm.generate(prompts, params)
     alone = [llm.generate(p, params)[0] for p in prompts]  # now with prefix-cache hits
-    for a, b in zip(together, alone):
+    for a, b in zip(together, alone, strict=True):
         assert_equal_or_near_tie(a, b)
-    exact = sum(a.token_ids == b.token_ids for a, b in zip(together, alone))
+    exact = sum(a.token_ids == b.token_ids for a, b in zip(together, alone, strict=True))
     assert exact >= len(prompts) - 2, f"only {exact}/{len(prompts)} outputs identical"
     assert sum(r.num_cached_tokens for r in alone) > 0
     bm = llm.engine.block_manager
@@ -130,7 +130,7 @@ def test_sampling_features_on_gpu(model_dir):
     assert all(len(c.token_ids) == 12 and len(c.logprobs) == 12 for c in first.outputs)
     assert all(len(lp.top) == 3 and lp.logprob <= 0.0 for c in first.outputs for lp in c.logprobs)
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))[0]
-    assert all(lp.top[0][0] == t for lp, t in zip(greedy.outputs[0].logprobs, greedy.token_ids))
+    assert all(lp.top[0][0] == t for lp, t in zip(greedy.outputs[0].logprobs, greedy.token_ids, strict=True))
 
 
 # "auto" with a crossover of 1024 tokens: steps whose tables are <= 7 pages replay the Flash-Decoding graphs
@@ -157,9 +157,9 @@ def test_cuda_graph_decode_equals_eager(model_dir, variant):
     lengths = (3, 129, 700, 1100, 16, 255, 257, 64, 2000)   # 9 > 6: the first steps run eagerly
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
     a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert_equal_or_near_tie(x, y)
-    assert sum(x.token_ids == y.token_ids for x, y in zip(a, b)) >= len(prompts) - 1
+    assert sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True)) >= len(prompts) - 1
     runner = graphed.engine.runner
     assert runner.num_graph_steps > 0
     # bucket 1 (for "auto": the 7-page Flash-Decoding graph), after wider batches used the buffers

@@ -67,7 +67,7 @@ def assert_all_blocks_free(llm):
 
 
 def check_isolated(clean, faulty, stage, llm):
-    for i, (a, b) in enumerate(zip(clean, faulty)):
+    for i, (a, b) in enumerate(zip(clean, faulty, strict=True)):
         if i == CULPRIT:
             assert b.finish_reason == "error"
             assert len(b.token_ids) == FAULT_AFTER   # what it had before its failing step
@@ -123,7 +123,7 @@ def test_a_detokenizer_fault_ends_only_its_request(tiny_dir):
             detokenizer.add_tokens = faulty
     engine.add_request = add
     faulty = llm.generate(prompts(), GREEDY)
-    for i, (a, b) in enumerate(zip(clean, faulty)):
+    for i, (a, b) in enumerate(zip(clean, faulty, strict=True)):
         if i != CULPRIT:
             assert (b.token_ids, b.text) == (a.token_ids, a.text)
     assert faulty[CULPRIT].finish_reason == "error"

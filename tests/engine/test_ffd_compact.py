@@ -35,7 +35,7 @@ def pool_for(k, pages):
 def chunk_pages(tables, seq, q_lens, bs):
     """The pages a prefill step may read exactly: from the one holding its first query to the last."""
     pages = []
-    for b, (n, q_len) in enumerate(zip(seq.tolist(), q_lens)):
+    for b, (n, q_len) in enumerate(zip(seq.tolist(), q_lens, strict=True)):
         pages += tables[b, (n - q_len) // bs:-(-n // bs)].tolist()
     return pages
 

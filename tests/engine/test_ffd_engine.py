@@ -37,7 +37,7 @@ def same(a, b):
     assert a.token_ids == b.token_ids
     la = [x.logprob for x in a.outputs[0].logprobs]
     lb = [x.logprob for x in b.outputs[0].logprobs]
-    assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+    assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < 1e-4
 
 
 def make_llm(tiny_dir, **overrides):
@@ -64,7 +64,7 @@ def test_chunked_prefill_and_mixed_batch_equal_solo_cold_runs(tiny_dir):
     solo = [make_llm(tiny_dir, enable_prefix_caching=False).generate(p, GREEDY)[0] for p in prompts]
     batched = make_llm(tiny_dir, enable_prefix_caching=False).generate(prompts, GREEDY)
     chunked = make_llm(tiny_dir, enable_prefix_caching=False, max_num_batched_tokens=48).generate(prompts, GREEDY)
-    for a, b, c in zip(solo, batched, chunked):
+    for a, b, c in zip(solo, batched, chunked, strict=True):
         same(a, b)
         same(a, c)
     dense = LLM(model=tiny_dir, cpu_kv_cache_bytes=64 << 20).generate(prompts[0], GREEDY)[0]
@@ -94,7 +94,7 @@ def test_preemption_and_recompute_equal_an_undisturbed_run(tiny_dir):
     small = make_llm(tiny_dir, enable_prefix_caching=False, num_kv_blocks=9)
     results = small.generate(prompts, GREEDY)
     assert small.engine.scheduler.num_preemptions > 0
-    for a, b in zip(results, reference):
+    for a, b in zip(results, reference, strict=True):
         same(a, b)
 
 

@@ -150,12 +150,14 @@ def test_tensor_parallel_shards_recompose_the_full_layer(monkeypatch, tp_size: i
     torch.manual_seed(0)
     hidden, head, heads, kv_heads, inter = 32, 8, 4, 2, 48
     x = torch.randn(5, hidden)
-    wq, wk, wv = torch.randn(heads * head, hidden), torch.randn(kv_heads * head, hidden), torch.randn(kv_heads * head, hidden)
+    wq = torch.randn(heads * head, hidden)
+    wk, wv = torch.randn(kv_heads * head, hidden), torch.randn(kv_heads * head, hidden)
     bq, bk, bv = torch.randn(heads * head), torch.randn(kv_heads * head), torch.randn(kv_heads * head)
     w_gate, w_up, w_down = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter)
     embed = torch.randn(50, hidden)
 
-    qkvs = _build_on_ranks(monkeypatch, tp_size, lambda: layers.QKVParallelLinear(hidden, head, heads, kv_heads, bias=True))
+    qkvs = _build_on_ranks(monkeypatch, tp_size,
+                           lambda: layers.QKVParallelLinear(hidden, head, heads, kv_heads, bias=True))
     gate_ups = _build_on_ranks(monkeypatch, tp_size, lambda: layers.MergedColumnParallelLinear(hidden, [inter, inter]))
     downs = _build_on_ranks(monkeypatch, tp_size, lambda: layers.RowParallelLinear(inter, hidden))
     heads_ = _build_on_ranks(monkeypatch, tp_size, lambda: layers.ParallelLMHead(50, hidden))
@@ -184,7 +186,7 @@ def test_tensor_parallel_shards_recompose_the_full_layer(monkeypatch, tp_size: i
     act = torch.cat([layers.SiluAndMul()(F.linear(x, m.weight)) for m in gate_ups], -1)
     torch.testing.assert_close(act, F.silu(x @ w_gate.T) * (x @ w_up.T))
     # Row-parallel: each rank multiplies its input slice; the sum is the full product.
-    partial = sum(F.linear(chunk, m.weight) for chunk, m in zip(act.chunk(tp_size, -1), downs))
+    partial = sum(F.linear(chunk, m.weight) for chunk, m in zip(act.chunk(tp_size, -1), downs, strict=True))
     torch.testing.assert_close(partial, act @ w_down.T, atol=1e-4, rtol=1e-5)  # sum order differs
     # Vocab-parallel head: concatenated shards minus padding rows give the full logits.
     logits = torch.cat([F.linear(x, m.weight) for m in heads_], -1)[:, :50]

@@ -109,7 +109,10 @@ def test_top_k_mask():
 
 def test_top_p_mask_boundaries():
     weights = torch.tensor([[5.0, 3.0, 1.5, 0.5]])  # unnormalised: shares .5 .3 .15 .05
-    kept = lambda p: (_top_p_(weights.clone(), torch.tensor([[p]])) > 0).tolist()[0]  # noqa: E731
+
+    def kept(p: float) -> list[bool]:
+        return (_top_p_(weights.clone(), torch.tensor([[p]])) > 0).tolist()[0]
+
     assert kept(0.79) == [True, True, False, False]
     assert kept(0.81) == [True, True, True, False]
     assert kept(0.1) == [True, False, False, False]

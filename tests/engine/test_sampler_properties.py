@@ -86,7 +86,7 @@ def test_sampler_never_raises_and_returns_valid_tokens(batch, seed):
     seqs = make_seqs(rows)
     results = Sampler({EOS}, vocab)(logits, seqs)
     assert len(results) == len(rows)
-    for result, (params, _, _) in zip(results, rows):
+    for result, (params, _, _) in zip(results, rows, strict=True):
         assert result.error is None
         assert 0 <= result.token_id < vocab
         assert result.token_id not in banned(params)
@@ -109,7 +109,7 @@ def test_nan_and_inf_logits_never_reach_a_draw(batch, seed, poison, fraction):
     logits = torch.randn(len(rows), vocab, generator=generator)
     logits[torch.rand(logits.shape, generator=generator) < fraction] = poison
     results = Sampler({EOS}, vocab)(logits, make_seqs(rows))
-    for row, (result, (params, _, _)) in enumerate(zip(results, rows)):
+    for row, (result, (params, _, _)) in enumerate(zip(results, rows, strict=True)):
         assert 0 <= result.token_id < vocab
         values = logits[row].tolist()
         admissible = {t for t, v in enumerate(values) if not math.isnan(v) and v != -math.inf} - banned(params)

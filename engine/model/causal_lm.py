@@ -1,0 +1,21 @@
+"""The interface the engine calls on a model class, beyond nn.Module's own."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model: `forward(input_ids [T], positions [T])` gives the hidden
+    states [T, H] of a flattened batch, read back into logits with `compute_logits`."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] for hidden states [N, H]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors, as (name, tensor) pairs, into the parameters."""
