@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.attention.backend import AttentionBackend  # noqa: E402
 from engine.attention.ffd import FFDBackend, params_from_config  # noqa: E402
+from engine.attention.kv_cache_spec import KVCacheSpec  # noqa: E402
 from engine.attention.layer import Attention, AttentionMetadata, forward_context  # noqa: E402
 from engine.attention.select import make_attention_backend  # noqa: E402
 from engine.attention.torch_reference import ReferenceBackend  # noqa: E402
@@ -81,7 +82,9 @@ class Runner:
         if isinstance(backend, FFDBackend):
             # every exact K page stays: one sequence, prefilled once, no engine to lend pool pages
             backend.compact = False
-        backend.allocate(kv[0], kv[1])
+        backend.allocate(KVCacheSpec(num_layers=len(self.layers), num_heads=first.num_heads,
+                                     num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, block_size=BS,
+                                     dtype=kv.dtype), kv[0], kv[1])
         if probe_pos is not None:
             self.q_probe = {i: [] for i in range(len(self.layers))}
             backend = QueryProbe(backend, probe_pos, self.q_probe)

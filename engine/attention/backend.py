@@ -1,9 +1,12 @@
 """The one interface every attention backend implements (dense kernels, FFD, the torch reference).
 
-The engine asks it for the page size and the cache layout at startup, hands it the allocated
-K/V pages, calls `plan` once per step before the forward, and gives it the pages the block
-manager frees; each `Attention` layer calls `store` (or RoPE's fused write, then `post_store`)
-and then `decode` or `prefill` with its own layer index.
+The engine asks it for the page size and the cache layout at startup and hands it the allocated
+K/V pages with their `KVCacheSpec`. Every step, graph replays included, it calls `prepare_pages`
+(host bookkeeping of the pages the step writes); a step that runs eagerly or is captured into a
+graph then gets its `plan` (the kernels' host work for the step's shape, once for all layers),
+which the step's metadata carries. The block manager gives it the pages it frees. Each
+`Attention` layer calls `store` (or RoPE's fused write, then `post_store`) and then `decode` or
+`prefill` with its own layer index.
 """
 from __future__ import annotations
 
@@ -20,10 +23,20 @@ if TYPE_CHECKING:
     from engine.request.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's kernel plans depend on: its rows, its block-table width (pages) and whether
+    every row decodes one token (`AttentionMetadata.step_shape`)."""
+
+    num_seqs: int
+    table_width: int
+    decode_only: bool
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What a backend decided on the host for one step, read by its kernels through the step's
-    metadata (`AttentionMetadata.plan`); empty where a backend decides nothing per step."""
+    metadata (`AttentionMetadata.plan`); this base is empty, for steps where a backend plans nothing."""
 
 
 class AttentionBackend(abc.ABC):
@@ -50,10 +63,11 @@ class AttentionBackend(abc.ABC):
         """K pages to allocate for `num_blocks` KV pages."""
         return num_blocks
 
-    def allocate(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The allocated K [layers, key pages, BS, Hkv, D] and V [layers, pages, BS, Hkv, D] pages."""
+    def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # noqa: B027
+        """The allocated K [layers, key pages, BS, Hkv, D] and V [layers, pages, BS, Hkv, D] pages of
+        `spec`, whose query heads and dtypes the step plans are made for (a no-op by default)."""
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages: list[int]) -> None:  # noqa: B027 - a backend without page state ignores it
         """The block manager freed these pages."""
 
     def decode_graph_widths(self, max_blocks: int) -> list[int]:
@@ -63,9 +77,13 @@ class AttentionBackend(abc.ABC):
         return [max_blocks]
 
     # ----- per step (model runner) -------------------------------------------------------------
-    def plan(self, seqs: list[Sequence]) -> AttentionPlan:
-        """Before a step's forward over `seqs` (empty for a CUDA-graph capture's dummy rows, which
-        write no K/V): host-side bookkeeping, and the plan the step's metadata carries."""
+    def prepare_pages(self, seqs: list[Sequence]) -> None:  # noqa: B027 - most backends keep no page state
+        """Before every step's forward over `seqs`, graph replays included: host bookkeeping of the
+        pages the step writes (FFD's compact exact-K pool)."""
+
+    def plan(self, shape: StepShape) -> AttentionPlan:
+        """The kernels' host work for a step of `shape` that runs eagerly or is captured into a CUDA
+        graph (which keeps it): split counts, grids, workspaces, shared by every layer of the step."""
         return AttentionPlan()
 
     # ----- per layer (the Attention layer) -----------------------------------------------------
@@ -74,13 +92,14 @@ class AttentionBackend(abc.ABC):
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write key/value [T, Hkv, D] into this layer's pages at `slot_mapping` (-1 skips)."""
 
-    def post_store(self, layer_idx: int, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """After RoPE's fused K/V write (`fuse_rope_store`) of the rows at `slot_mapping`."""
+    def post_store(self, layer_idx: int, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # noqa: B027
+        """After RoPE's fused K/V write (`fuse_rope_store`) of the rows at `slot_mapping` (a no-op by default)."""
 
     @abc.abstractmethod
     def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
-        """q [B, Hq, D], one new token per sequence -> out [B, Hq, D]; counters go to `metadata.counters`."""
+        """q [B, Hq, D], one new token per sequence -> out [B, Hq, D] under `metadata.plan`; counters go
+        to `metadata.counters`."""
 
     @abc.abstractmethod
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

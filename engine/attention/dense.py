@@ -13,6 +13,9 @@ algorithm:
 On a GPU every choice runs our Triton kernels; on the CPU the torch reference of the same
 algorithm (split and merge, unified max). `backend.name` says exactly which.
 
+Per step, `plan` makes one decode plan (`kernels.plan_decode`: split count, workspaces) for a
+decode-only step on the GPU; each layer's `decode` runs it (`kernels.run_decode`).
+
 FD++ range checks go into the step's `counters` (summed by the engine, exported by /metrics):
 `fdpp_rows_checked` (a float) and `fdpp_fallback_rows`. On the GPU the latter is a 0-d device
 tensor the kernels add to atomically, zeroed at layer 0 of each step: reading it never syncs
@@ -22,17 +25,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.config import FlashDecodingConfig
 from kernels.attention import reference
 from kernels.vendor import vendor_configs
 
 if TYPE_CHECKING:
     from engine.attention.layer import AttentionMetadata
+    from kernels.attention.decode import DecodePlan
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,14 @@ TITLES = {"standard": "standard attention (one pass, no split)",
           "fdpp": "FlashDecoding++ async softmax (unified max)"}
 
 
+@dataclass(frozen=True)
+class DensePlan(AttentionPlan):
+    """A decode-only step's kernel plan, shared by every layer of the step; None on the CPU (the torch
+    reference plans nothing) and for steps with prefill chunks."""
+
+    decode: DecodePlan | None = None
+
+
 def decode_variant(fd: FlashDecodingConfig) -> str:
     if not fd.enable:
         return "standard"
@@ -55,10 +69,15 @@ def decode_variant(fd: FlashDecodingConfig) -> str:
     return "fdpp" if fd.async_softmax else "flash"
 
 
+def estimates_phi(fd: FlashDecodingConfig) -> bool:
+    """fixed_max_value = false: φ is estimated per step (every layer's φ is None)."""
+    return isinstance(fd.fixed_max_value, bool) and not fd.fixed_max_value
+
+
 def phi_source(fd: FlashDecodingConfig, calibration_path: str | None) -> tuple[PhiFor, str]:
     """(layer_idx -> φ or None to estimate, description)."""
     fixed = fd.fixed_max_value
-    if isinstance(fixed, bool) and not fixed:
+    if estimates_phi(fd):
         return (lambda layer_idx: None), "φ estimated per step from sink + local window"
     if isinstance(fixed, bool):
         path = calibration_path or fd.calibration_file
@@ -85,41 +104,63 @@ class DenseBackend(AttentionBackend):
     def __init__(self, fd: FlashDecodingConfig, device: torch.device, vendor: str, *,
                  calibration_path: str | None = None) -> None:
         self.variant = decode_variant(fd)
-        self.on_gpu = device.type == "cuda"
-        self.fuse_rope_store = self.on_gpu
+        self.device = device
+        on_gpu = device.type == "cuda"
+        self.triton = on_gpu                     # Triton kernels (GPU; the interpreter in tests)
+        self.fuse_rope_store = on_gpu
+        self.configs = vendor_configs(vendor)
         self.num_splits = fd.num_splits
         self.fallback = fd.fallback_on_overflow
         self.phi_for: PhiFor = lambda layer_idx: None
+        self.estimate_phi = True                 # fdpp: every layer's φ is None (the plans' ESTIMATE)
+        self.spec: KVCacheSpec | None = None     # the cache the plans are made for (`allocate`)
         phi_text = ""
         if self.variant == "fdpp":
             self.phi_for, phi_text = phi_source(fd, calibration_path)
+            self.estimate_phi = estimates_phi(fd)
             if not self.fallback:
                 logger.warning("[flashdecoding] fallback_on_overflow = false: rows whose scores leave φ's safe "
                                "window are NOT recomputed (their output is inaccurate); they are still counted")
         elif fd.enable and (fd.fixed_max_value is not False or not self.fallback):
             logger.info("[flashdecoding] fixed_max_value / fallback_on_overflow apply to async_softmax only")
         self.step_stats = torch.zeros(1, dtype=torch.int64, device=device)   # rows flagged in this step
-        if self.on_gpu:
-            self.configs = vendor_configs(vendor)
-            self.decode_options: dict[str, Any] = {"config": self.configs.decode}
-            if self.variant == "fdpp":
-                self.decode_options.update(fallback=self.fallback, stats=self.step_stats)
+        if on_gpu:
             where = f"triton[{vendor}, block_n={self.configs.decode.block_n}]"
         else:
             where = "torch reference (cpu)"
         splits_text = "1 split" if self.variant == "standard" else (
             f"splits={self.num_splits}" if self.num_splits else
-            ("splits=wave heuristic" if self.on_gpu else f"splits<={CPU_MAX_SPLITS}"))
+            ("splits=wave heuristic" if on_gpu else f"splits<={CPU_MAX_SPLITS}"))
         details = [splits_text]
         if self.variant == "fdpp":
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
-        store_text = f"{where}, fused with RoPE" if self.on_gpu else where
+        store_text = f"{where}, fused with RoPE" if on_gpu else where
         self.name = (f"{where}: {TITLES[self.variant]} ({', '.join(details)}); prefill: {where}; "
                      f"kv store: {store_text}")
 
+    def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.spec = spec
+
+    def plan(self, shape: StepShape) -> DensePlan:
+        """One decode plan for every layer of a decode-only step on the Triton path."""
+        if not (self.triton and shape.decode_only):
+            return DensePlan()
+        from kernels import plan_decode
+        spec = self._spec()
+        return DensePlan(plan_decode(shape.num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                     spec.block_size, shape.table_width, dtype=spec.dtype, device=self.device,
+                                     variant=self.variant, kv_dtype=spec.dtype, num_splits=self.num_splits or None,
+                                     config=self.configs.decode, estimate_phi=self.estimate_phi,
+                                     fallback=self.fallback))
+
+    def _spec(self) -> KVCacheSpec:
+        if self.spec is None:
+            raise RuntimeError(f"{type(self).__name__}: no KV cache spec to plan for (allocate was not called)")
+        return self.spec
+
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self.on_gpu:
+        if self.triton:
             from kernels import store_kv
             store_kv(key, value, k_cache, v_cache, slot_mapping)
         else:
@@ -127,19 +168,9 @@ class DenseBackend(AttentionBackend):
 
     def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        if self.triton:
+            return self._run_plan(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         counters = metadata.counters
-        if self.on_gpu:
-            from kernels import decode_attention
-            extra = {}
-            if self.variant == "fdpp":
-                if layer_idx == 0:
-                    self.step_stats.zero_()
-                extra["phi"] = self.phi_for(layer_idx)
-                counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
-                counters["fdpp_fallback_rows"] = self.step_stats[0]
-            return decode_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
-                                    variant=self.variant, num_splits=self.num_splits or None,
-                                    **self.decode_options, **extra)
         if self.variant == "standard":
             return reference.decode_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                   scale=scale)
@@ -155,11 +186,45 @@ class DenseBackend(AttentionBackend):
             counters["fdpp_fallback_rows"] = counters.get("fdpp_fallback_rows", 0.0) + float(self.step_stats[0])
         return out
 
+    def _run_plan(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        """One layer's decode under the step's plan (Triton); layer 0 checks the step's layouts."""
+        plan = metadata.plan
+        if not isinstance(plan, DensePlan) or plan.decode is None:
+            raise RuntimeError("DenseBackend.decode on the Triton path needs the step's DenseBackend.plan "
+                               f"in its metadata; got {plan!r}")
+        if layer_idx == 0:
+            check_layer_inputs(self._spec(), q, k_cache, v_cache, metadata)
+        phi = None
+        stats = None
+        if self.variant == "fdpp":
+            if layer_idx == 0:
+                self.step_stats.zero_()
+            phi = self.phi_for(layer_idx)
+            stats = self.step_stats
+            counters = metadata.counters
+            counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
+            counters["fdpp_fallback_rows"] = self.step_stats[0]
+        from kernels import run_decode
+        return run_decode(plan.decode, q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
+                          phi=phi, stats=stats)
+
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
-        if self.on_gpu:
+        if self.triton:
             from kernels import prefill_attention
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                      metadata.query_start_loc, scale=scale, config=self.configs.prefill)
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                metadata.query_start_loc, scale=scale)
+
+
+def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: AttentionMetadata) -> None:
+    """What a decode plan assumes of every layer's tensors, checked once per step (at layer 0): the
+    layouts the kernels take, and the dtypes the plan was made for."""
+    from kernels.attention.decode_host import check_shapes
+    check_shapes(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens)
+    if q.dtype != spec.dtype or k_cache.dtype != spec.dtype:
+        raise ValueError(f"decode: q {q.dtype} / cache {k_cache.dtype}, but the plan was made for {spec.dtype}")
+

@@ -27,18 +27,25 @@ and stored in `kernels/ffd/crossover.json`; `[flashdecoding] ffd_crossover_token
 GPU's own measurement), and a device with neither is a startup error (never a guess). Where the measurement
 found FFD never faster, "auto" builds the plain Flash-Decoding backend and says so at startup.
 
+Per step, `plan` makes one FFD decode plan (`kernels.plan_ffd_decode`: grids, split counts,
+workspaces) for a decode-only step on the Triton path, or the Flash-Decoding backend's plan for a
+step that runs on it; each layer's `decode` runs it (`kernels.run_ffd_decode`).
+
 Sparsity counters (decode steps): `ffd_blocks_total` and `ffd_blocks_kept`, counted over
-(KV head, full block) pairs, go into the step's `counters` (exported by /metrics); on the GPU
-they are device tensors, added without a sync.
+(KV head, full block) pairs and summed over the layers, go into the step's `counters` (exported by
+/metrics); on the GPU they are the plan's device counters (`FFDPlan.stats`, zeroed at layer 0 of
+each step, inside a captured graph too), read without a sync.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionPlan
+from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+from engine.attention.dense import DenseBackend
 from engine.attention.ffd_cache import ExactKeyPages, FFDCacheSpec, FFDKeyCache, exact_pool_pages
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.config import FlashDecodingConfig
@@ -55,12 +62,22 @@ from kernels.ffd.reference import (
 if TYPE_CHECKING:
     from engine.attention.layer import AttentionMetadata
     from engine.request.sequence import Sequence
+    from kernels.ffd.decode import FFDDecodePlan
 
 logger = logging.getLogger(__name__)
 
 NEVER = 2**31 - 1   # a crossover no context reaches: FFD never runs
 COMPACT_TEXT = "exact keys only for pages being filled"
 FULL_TEXT = "exact K kept for every page: saves read bandwidth, not memory"
+
+
+@dataclass(frozen=True)
+class FFDPlan(AttentionPlan):
+    """A decode-only step's FFD kernel plan on the Triton path, shared by every layer of the step, and
+    its counters: stats int64 [2] = (full blocks, kept blocks) summed over the step's layers."""
+
+    decode: FFDDecodePlan
+    stats: torch.Tensor
 
 
 def params_from_config(fd: FlashDecodingConfig, min_ffd_len: int = 0) -> FFDParams:
@@ -108,7 +125,7 @@ class FFDBackend(AttentionBackend):
     for steps with every row below `min_ffd_len`, every exact K page kept)."""
 
     def __init__(self, fd: FlashDecodingConfig, device: torch.device, *, min_ffd_len: int = 0,
-                 max_num_seqs: int, max_num_batched_tokens: int, dense: AttentionBackend | None = None) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, dense: DenseBackend | None = None) -> None:
         if fd.kernel not in ("ffd", "auto"):
             raise ValueError(f"FFDBackend serves kernel = 'ffd' | 'auto', got {fd.kernel!r}")
         self.variant = fd.kernel
@@ -122,6 +139,7 @@ class FFDBackend(AttentionBackend):
         self.cache: FFDKeyCache | None = None
         self.exact: ExactKeyPages | None = None
         self.sync: torch.Tensor | None = None    # the decode's counters, zero between calls (ffd_sync_buffer)
+        self.spec: KVCacheSpec | None = None     # the cache the plans are made for (`allocate`)
         params = self.params
         if params.sink_tokens == 0 and params.local_window == 0:
             logger.warning("[flashdecoding] sink_tokens = local_window = 0: no pseudo-max, so FFD keeps every block")
@@ -170,8 +188,11 @@ class FFDBackend(AttentionBackend):
                             self.pool_pages)
         return self.cache_bytes(spec)
 
-    def allocate(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Allocate the quantized keys of the N KV pages and, compact, the page -> K page map."""
+        self.spec = spec
+        if self.dense is not None:
+            self.dense.allocate(spec, k_cache, v_cache)
         num_layers, num_blocks, block_size, kv_heads, head_dim = v_cache.shape
         if block_size != self.params.block_size:
             raise ValueError(f"KV pages of {block_size} tokens; FFD needs pages of ffd_block_size = "
@@ -194,10 +215,10 @@ class FFDBackend(AttentionBackend):
         return [self.dense_width, max_blocks] if 0 < self.dense_width < max_blocks else [max_blocks]
 
     # ----- per step ---------------------------------------------------------------------------
-    def plan(self, seqs: list[Sequence]) -> AttentionPlan:
+    def prepare_pages(self, seqs: list[Sequence]) -> None:
         """Pool pages for the pages this step writes (compact K cache only)."""
         if self.exact is None:
-            return AttentionPlan()
+            return
         bs = self.params.block_size
         written: list[int] = []
         filled: list[int] = []
@@ -209,7 +230,25 @@ class FFDBackend(AttentionBackend):
                 if (j + 1) * bs <= end:
                     filled.append(seq.block_table[j])
         self.exact.begin_step(written, filled)
-        return AttentionPlan()
+
+    def plan(self, shape: StepShape) -> AttentionPlan:
+        """"auto" steps on the Flash-Decoding backend: its plan; decode-only steps on the Triton path:
+        one FFD decode plan and counter buffer for every layer; else nothing."""
+        if self._dense_step(shape.table_width):
+            assert self.dense is not None
+            return self.dense.plan(shape)
+        if not (self.triton and shape.decode_only):
+            return AttentionPlan()
+        from kernels.ffd.decode import plan_ffd_decode
+        if self.spec is None:
+            raise RuntimeError("FFD: no KV cache spec to plan for (allocate was not called)")
+        s = self.spec
+        decode = plan_ffd_decode(shape.num_seqs, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size,
+                                 shape.table_width, dtype=s.dtype, device=self.device, params=self.params,
+                                 kv_dtype=s.dtype, num_splits=self.num_splits or None,
+                                 has_key_page_map=self.key_page_map is not None, count_stats=True,
+                                 sync=self._decode_sync(shape.num_seqs, s.num_kv_heads))
+        return FFDPlan(decode, torch.zeros(2, dtype=torch.int64, device=self.device))
 
     def pages_of(self, layer_idx: int) -> QuantizedPages:
         if self.cache is None:
@@ -224,9 +263,10 @@ class FFDBackend(AttentionBackend):
             return 0
         return (self.params.min_ffd_len - 1) // self.params.block_size
 
-    def _dense_step(self, block_tables: torch.Tensor) -> bool:
-        """"auto": no row of this step can reach the crossover, so it runs on the Flash-Decoding backend."""
-        return self.dense is not None and block_tables.shape[1] <= self.dense_width
+    def _dense_step(self, table_width: int) -> bool:
+        """"auto": no row of a step whose block table is `table_width` pages wide can reach the crossover,
+        so it runs on the Flash-Decoding backend."""
+        return self.dense is not None and table_width <= self.dense_width
 
     @property
     def key_page_map(self) -> torch.Tensor | None:
@@ -254,35 +294,44 @@ class FFDBackend(AttentionBackend):
 
     def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
-        if self._dense_step(metadata.block_tables):
+        if self._dense_step(metadata.block_tables.shape[1]):
             assert self.dense is not None
             return self.dense.decode(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         pages = self.pages_of(layer_idx)
-        counters = metadata.counters
-        if self.triton:
-            from kernels.ffd.decode import ffd_decode
-            stats = torch.zeros(2, dtype=torch.int64, device=q.device)
-            out = ffd_decode(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, metadata.block_tables,
-                             metadata.seq_lens, scale=scale, params=self.params, num_splits=self.num_splits or None,
-                             stats=stats, key_page_map=self.key_page_map,
-                             sync=self._decode_sync(q.shape[0], k_cache.shape[2], q.device))
-            counters["ffd_blocks_total"] = counters.get("ffd_blocks_total", 0.0) + stats[0]
-            counters["ffd_blocks_kept"] = counters.get("ffd_blocks_kept", 0.0) + stats[1]
+        if not self.triton:
+            counted: dict[str, float] = {}
+            out = ffd_decode_ref(q, k_cache, v_cache, pages, metadata.block_tables, metadata.seq_lens, scale=scale,
+                                 params=self.params, stats=counted, key_page_map=self.key_page_map)
+            for key, value in counted.items():   # integral floats: exact in any order
+                metadata.counters[key] = metadata.counters.get(key, 0.0) + value
             return out
-        return ffd_decode_ref(q, k_cache, v_cache, pages, metadata.block_tables, metadata.seq_lens, scale=scale,
-                              params=self.params, stats=counters, key_page_map=self.key_page_map)
+        plan = metadata.plan
+        if not isinstance(plan, FFDPlan):
+            raise RuntimeError(f"FFDBackend.decode on the Triton path needs the step's FFDBackend.plan in its "
+                               f"metadata; got {type(plan).__name__}")
+        if layer_idx == 0:
+            from kernels.ffd.decode import check_ffd_inputs
+            check_ffd_inputs("FFD decode", q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, self.params)
+            plan.stats.zero_()
+        from kernels.ffd.decode import run_ffd_decode
+        out = run_ffd_decode(plan.decode, q, k_cache, v_cache, pages.codes, pages.scales, pages.residual,
+                             metadata.block_tables, metadata.seq_lens, scale=scale, stats=plan.stats,
+                             key_page_map=self.key_page_map)
+        metadata.counters["ffd_blocks_total"] = plan.stats[0]
+        metadata.counters["ffd_blocks_kept"] = plan.stats[1]
+        return out
 
-    def _decode_sync(self, batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-        """One counter buffer for every layer's decode (they run in stream order), grown with the batch;
-        every call leaves it zero, so no memset per call."""
+    def _decode_sync(self, batch: int, kv_heads: int) -> torch.Tensor:
+        """One counter buffer for every plan's decode (they run in stream order), grown with the batch;
+        every run leaves it zero, so no memset per run."""
         from kernels.ffd.decode import ffd_sync_buffer, sync_entries
-        if self.sync is None or self.sync.device != device or self.sync.numel() < sync_entries(batch, kv_heads):
-            self.sync = ffd_sync_buffer(max(batch, 64), kv_heads, device)
+        if self.sync is None or self.sync.numel() < sync_entries(batch, kv_heads):
+            self.sync = ffd_sync_buffer(max(batch, 64), kv_heads, self.device)
         return self.sync
 
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
-        if self._dense_step(metadata.block_tables):
+        if self._dense_step(metadata.block_tables.shape[1]):
             assert self.dense is not None
             return self.dense.prefill(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         pages = self.pages_of(layer_idx)

@@ -1,4 +1,4 @@
-"""The shape of the paged KV cache, which the model runner allocates and the backends size."""
+"""The shape of the paged KV cache, which the model runner allocates and the backends size and plan for."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,11 @@ import torch
 
 @dataclass
 class KVCacheSpec:
+    """Pages [num_layers, pages, block_size, num_kv_heads, head_dim] of `dtype`, read by attention
+    layers of `num_heads` query heads whose queries are `dtype` too (what a decode plan is made for)."""
+
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     block_size: int

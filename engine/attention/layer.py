@@ -15,7 +15,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionPlan
+from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+
+# What a backend counts in a step: host floats, or 0-d device tensors the kernels add to (read without a sync).
+AttentionCounters = dict[str, float | torch.Tensor]
 
 
 @dataclass
@@ -27,7 +30,7 @@ class AttentionMetadata:
     query_start_loc[B+1] offsets of each sequence's new tokens in the flat token batch
     seq_lens[B]         context length of each sequence after this step (cached + new tokens)
     block_tables[B, M]  the pages of each sequence, padded with 0
-    plan                the backend's host-side decisions for this step (`AttentionBackend.plan`)
+    plan                the backend's host-side decisions for this step (`AttentionBackend.plan` of `step_shape`)
     counters            what the backend counted this step (summed by the engine, exported by /metrics)
     """
 
@@ -38,12 +41,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     is_decode_only: bool
-    counters: dict[str, float] = field(default_factory=dict)
+    counters: AttentionCounters = field(default_factory=dict)
     plan: AttentionPlan = field(default_factory=AttentionPlan)
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @property
+    def step_shape(self) -> StepShape:
+        """What the backend's plan for this step depends on."""
+        return StepShape(self.num_seqs, int(self.block_tables.shape[1]), self.is_decode_only)
 
 
 class RotaryFn(Protocol):
@@ -105,17 +113,20 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.metadata
         if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("KV cache not allocated for attention layer %d" % self.layer_idx)
+            raise RuntimeError(f"KV cache not allocated for attention layer {self.layer_idx}")
         num_tokens = q.shape[0]
-        if rotary is not None and positions is None:
-            raise ValueError("Attention: rotary needs positions")
         backend = ctx.backend
-        if rotary is not None and backend.fuse_rope_store and self.k_cache.dtype == k.dtype:
-            q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            backend.post_store(self.layer_idx, self.k_cache, meta.slot_mapping)
-        else:
-            if rotary is not None:
+        fused = False
+        if rotary is not None:
+            if positions is None:
+                raise ValueError("Attention: rotary needs positions")
+            fused = backend.fuse_rope_store and self.k_cache.dtype == k.dtype
+            if fused:
+                q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                backend.post_store(self.layer_idx, self.k_cache, meta.slot_mapping)
+            else:
                 q, k = rotary(positions, q, k)
+        if not fused:
             backend.store(self.layer_idx, k.view(num_tokens, self.num_kv_heads, self.head_dim),
                           v.view(num_tokens, self.num_kv_heads, self.head_dim),
                           self.k_cache, self.v_cache, meta.slot_mapping)

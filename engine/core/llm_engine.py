@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.layer import AttentionCounters
 from engine.config import ConfigError, FdserveConfig
 from engine.core.block_manager import BlockManager
 from engine.core.faults import describe, raise_if_unrecoverable
@@ -87,7 +88,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.sampler, self.max_new_tokens)
         self.isolation = StepIsolation(self.runner, self.sampler, self.output_processor.fail_seq)
         self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
-        self.attention_counters: dict[str, float] = {}
+        self.attention_counters: AttentionCounters = {}
         self.async_scheduling = config.backend.async_scheduling
         self.in_flight: InFlightStep | None = None   # a decode step launched, not yet read back
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
@@ -240,7 +241,7 @@ class LLMEngine:
                     if pos == len(seq.prompt_logprobs):
                         seq.prompt_logprobs.append(entry)
 
-    def _add_counters(self, counters: dict[str, float]) -> None:
+    def _add_counters(self, counters: AttentionCounters) -> None:
         for key, value in counters.items():
             self.attention_counters[key] = self.attention_counters.get(key, 0.0) + value
 

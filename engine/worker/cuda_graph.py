@@ -12,11 +12,13 @@ they read one valid cache row and their output is dropped. Graphs are captured l
 into one shared memory pool, so the activations of all buckets share one allocation.
 
 What the kernels decide on the host is frozen at capture: the split count depends only on
-the batch size (`kernels.attention.flash_decoding.choose_num_splits`), the matmul config only on M, and
+the batch size (`kernels.attention.decode_host.choose_num_splits`), the matmul config only on M, and
 the block-table width is the widest a sequence can need, or, where the backend's choice depends
 on it (`AttentionBackend.decode_graph_widths`: FFD's "auto" runs the Flash-Decoding kernel when
 no row can reach its crossover), the narrowest captured width that holds the step's tables.
-The backend's `plan` runs for each capture (over no sequences) and the graph keeps what it planned.
+A graph freezes the attention plan it was captured with (`AttentionBackend.plan`: split counts, grids,
+workspaces); the plan is made inside the capture, so its workspaces live in the graphs' shared memory pool
+(graphs never replay at once). A replay runs only the backend's host bookkeeping (`prepare_pages`).
 Counters the attention backend adds during capture are device tensors the graph updates
 (returned as captured) or host floats proportional to the rows (scaled to the real batch).
 """
@@ -24,12 +26,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.layer import AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+from engine.attention.layer import AttentionCounters, AttentionMetadata, forward_context
 from engine.request.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -71,42 +75,47 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.logits: torch.Tensor | None = None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.counters: dict[GraphKey, dict[str, float]] = {}
+        self.counters: dict[GraphKey, AttentionCounters] = {}
         # Two sets of pinned host staging, used in turn: with asynchronous scheduling step N+1 is
         # staged before step N's reads are known to be done, but never before step N-1's are.
         self.staging = [_Staging(max_batch, max_blocks, pin=device.type == "cuda") for _ in range(2)]
         self.current = 0
 
     # ----- capture ---------------------------------------------------------------------------
-    def _metadata(self, batch: int, width: int, counters: dict[str, float]) -> AttentionMetadata:
+    def _metadata(self, batch: int, width: int, counters: AttentionCounters) -> AttentionMetadata:
         return AttentionMetadata(
             positions=self.positions[:batch], slot_mapping=self.slot_mapping[:batch],
             query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
             block_tables=self.block_tables[:batch, :width], max_query_len=1, is_decode_only=True,
             counters=counters)
 
-    def _forward(self, batch: int, width: int, counters: dict[str, float]) -> torch.Tensor:
+    def _plan(self, batch: int, width: int) -> AttentionPlan:
+        return self.backend.plan(StepShape(num_seqs=batch, table_width=width, decode_only=True))
+
+    def _forward(self, batch: int, width: int, plan: AttentionPlan, counters: AttentionCounters) -> torch.Tensor:
         metadata = self._metadata(batch, width, counters)
-        metadata.plan = self.backend.plan([])   # the dummy rows write no K/V; the graph keeps this plan
+        metadata.plan = plan
         with forward_context(metadata, self.backend):
             hidden = self.model(self.input_ids[:batch], self.positions[:batch])
-        return self.model.compute_logits(hidden)
+        # every model class has compute_logits; nn.Module does not declare it
+        return cast(Callable[[torch.Tensor], torch.Tensor], self.model.compute_logits)(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up (compiles every kernel config) and capture each bucket, largest first."""
         start = time.perf_counter()
-        vocab = self._forward(1, self.max_blocks, {}).shape[-1]
+        vocab = self._forward(1, self.max_blocks, self._plan(1, self.max_blocks), {}).shape[-1]
         self.logits = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=self.device)
         pool = None
         for width in reversed(self.widths):
             for batch in reversed(self.batch_sizes):
-                self._forward(batch, width, {})   # eager warm-up: Triton compiles, occupancy probes, workspaces
+                self._forward(batch, width, self._plan(batch, width), {})   # eager warm-up: Triton compiles
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                counters: dict[str, float] = {}
+                counters: AttentionCounters = {}
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[:batch].copy_(self._forward(batch, width, counters))
+                    plan = self._plan(batch, width)   # same shapes as the warm-up: the same splits and grids
+                    self.logits[:batch].copy_(self._forward(batch, width, plan, counters))
                 pool = graph.pool() if pool is None else pool
                 self.graphs[batch, width] = graph
                 self.counters[batch, width] = counters
@@ -129,7 +138,7 @@ class DecodeGraphs:
         self.staging[self.current].write(seqs, block_size)
 
     def run(self, batch: int, width: int, key: GraphKey, input_ids: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, dict[str, float]]:
+            ) -> tuple[torch.Tensor, AttentionCounters]:
         """Replay the graph of `key` (`bucket_for`) on the staged inputs of `batch` sequences whose
         block tables are at most `width` pages (token ids from the device tensor `input_ids` when
         given); (float32 logits [batch, V], attention counters)."""
@@ -187,7 +196,7 @@ class _Staging:
         self.np_seq_lens[batch:bucket] = 1
 
 
-def scaled_counters(counters: dict[str, float], fraction: float) -> dict[str, float]:
+def scaled_counters(counters: AttentionCounters, fraction: float) -> AttentionCounters:
     """Captured counters for a step of `fraction` of the bucket's rows: device tensors as the
     graph left them (padding rows add nothing to them), host floats scaled to the real rows."""
     return {k: (v * fraction if isinstance(v, float) else v) for k, v in counters.items()}

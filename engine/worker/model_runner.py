@@ -3,21 +3,25 @@
 The KV cache is a K and a V tensor `[num_layers, pages, block_size, Hkv, D]` (the backend may keep
 fewer K pages than V pages: `key_cache_pages`), sized from `kv_cache_ratio` of free device memory
 after a profiling forward (on CPU: of the configured byte budget) in the backend's `cache_layout`.
-Metadata is built once per step and shared by every layer. Decode steps replay a captured CUDA
-graph when `capture_decode_graphs` was called (engine/worker/cuda_graph.py); prefill and batches
-wider than the largest graph run eagerly.
+Metadata is built once per step and shared by every layer, with the attention backend's plan for
+the step (made once, run by every layer). Decode steps replay a captured CUDA graph when
+`capture_decode_graphs` was called (engine/worker/cuda_graph.py); prefill and batches wider than
+the largest graph run eagerly.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import cast
 
 import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
-from engine.attention.layer import Attention, AttentionMetadata, forward_context
+from engine.attention.layer import Attention, AttentionCounters, AttentionMetadata, forward_context
 from engine.request.sequence import Sequence
 from engine.worker.cuda_graph import DecodeGraphs
 
@@ -51,7 +55,7 @@ class ExecuteResult:
 
     logits: torch.Tensor               # float32 [len(sampled_seqs), V]
     sampled_seqs: list[Sequence]       # the sequences whose prompt is complete: row i is sampled_seqs[i]'s
-    counters: dict[str, float]         # attention counters of the step
+    counters: AttentionCounters        # attention counters of the step
     prompt_hidden: list[PromptHidden]  # for prompt logprobs (`Sequence.needs_prompt_logprobs`)
 
 
@@ -65,7 +69,9 @@ class ModelRunner:
         self.backend = backend
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
-        self.spec = KVCacheSpec(len(self.attention_layers), first.num_kv_heads, first.head_dim, block_size, dtype)
+        self.spec = KVCacheSpec(num_layers=len(self.attention_layers), num_heads=first.num_heads,
+                                num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, block_size=block_size,
+                                dtype=dtype)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -88,7 +94,7 @@ class ModelRunner:
             layer.k_cache = self.k_cache[i]
             layer.v_cache = self.v_cache[i]
         self.num_blocks = num_blocks
-        self.backend.allocate(self.k_cache, self.v_cache)
+        self.backend.allocate(s, self.k_cache, self.v_cache)
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:
@@ -156,7 +162,7 @@ class ModelRunner:
         block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
                                     dtype=torch.int32)
         dev = self.device
-        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        query_lens = [b - a for a, b in pairwise(query_start_loc)]
         metadata = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
@@ -182,14 +188,14 @@ class ModelRunner:
             raise ValueError("input_ids replaces one token per sequence of a decode step")
         if input_ids is None and any(seq.num_in_flight_tokens for seq in seqs):
             raise ValueError("a token still in flight is not on the host: pass the step's input_ids")
-        plan = self.backend.plan(seqs)   # replayed graphs too: host bookkeeping such as FFD's pool pages
+        self.backend.prepare_pages(seqs)   # replayed graphs too: host bookkeeping such as FFD's pool pages
         if self.graphs is not None and decode and not any(   # a row that scores a prompt token runs eagerly
                 seq.needs_prompt_logprobs and seq.num_computed_tokens + 1 < seq.num_prompt_tokens for seq in seqs):
             replayed = self._replay(seqs, input_ids)
             if replayed is not None:
                 return replayed
         step = self.prepare(seqs)
-        step.metadata.plan = plan
+        step.metadata.plan = self.backend.plan(step.metadata.step_shape)   # once for every layer of the step
         if input_ids is not None:
             step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):
@@ -197,7 +203,9 @@ class ModelRunner:
         prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
         if not step.sampled_seqs:
             return ExecuteResult(torch.empty(0), [], step.metadata.counters, prompt_hidden)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        # every model class has compute_logits; nn.Module does not declare it
+        compute_logits = cast(Callable[[torch.Tensor], torch.Tensor], self.model.compute_logits)
+        logits = compute_logits(hidden[step.logits_indices])
         return ExecuteResult(logits.float(), step.sampled_seqs, step.metadata.counters, prompt_hidden)
 
     def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> ExecuteResult | None:

@@ -13,7 +13,7 @@ from engine.config import FlashDecodingConfig
 from engine.tools.calibration import calibrate, load_phi
 from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref
-from tests.support.attention_metadata import kernel_metadata
+from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
 
 CPU = torch.device("cpu")
 
@@ -153,8 +153,10 @@ def test_gpu_fdpp_counts_on_the_device():
     backend = make_attention_backend(fd, torch.device("cuda"), "auto")
     assert backend.name.startswith("triton[")
     inputs = [t.cuda() for t in decode_inputs()]
-    counters: dict[str, float] = {}
-    out = run_decode(backend, inputs, counters=counters)
+    q, k, v, tables, lens = inputs
+    backend.allocate(cache_spec(v[None], num_heads=q.shape[1]), k[None], v[None])
+    counters: dict = {}
+    out = backend.decode(0, q, k, v, planned(backend, kernel_metadata(tables, lens, counters=counters)), scale=0.25)
     assert int(counters["fdpp_fallback_rows"]) == 12 and counters["fdpp_rows_checked"] == 12
     ref = decode_attention_ref(*inputs, scale=0.25)
     assert float((out - ref).norm() / ref.norm()) < 5e-3

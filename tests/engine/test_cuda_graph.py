@@ -62,8 +62,11 @@ def test_staging_appends_pages_and_rebuilds_rows_that_change_owner():
     assert st.np_seq_lens[:2].tolist() == [10, 4]
     assert st.np_block_tables[0, :3].tolist() == [5, 6, 7]
     # b grows a page; a keeps its row
-    a.token_ids.append(11); a.num_computed_tokens = 10
-    b.token_ids.append(12); b.num_computed_tokens = 4; b.block_table.append(9)
+    a.token_ids.append(11)
+    a.num_computed_tokens = 10
+    b.token_ids.append(12)
+    b.num_computed_tokens = 4
+    b.block_table.append(9)
     st.write([a, b], bs)
     assert st.np_block_tables[1, :2].tolist() == [2, 9]
     assert st.np_tokens[2, :2].tolist() == [7 * 4 + 2, 9 * 4 + 0]
@@ -114,7 +117,8 @@ def test_graphs_alternate_staging_sets():
     a = _seq(10, 9, [5, 6, 7])
     graphs.stage([a], 4)
     first = graphs.current
-    a.token_ids.append(11); a.num_computed_tokens = 10
+    a.token_ids.append(11)
+    a.num_computed_tokens = 10
     graphs.stage([a], 4)
     assert graphs.current != first
     assert graphs.staging[first].np_tokens[1, 0] == 9 and graphs.staging[graphs.current].np_tokens[1, 0] == 10

@@ -212,7 +212,7 @@ def test_backend_glue_triton_equals_reference():
     against its torch path, on the same writes: prefill of 3 sequences, then two decode steps."""
     from engine.attention.select import make_attention_backend
     from engine.config import FlashDecodingConfig
-    from tests.support.attention_metadata import kernel_metadata
+    from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
     gen = torch.Generator().manual_seed(2)
     backends = [make_attention_backend(fd, torch.device("cpu"), "cpu") for _ in range(2)]
@@ -221,7 +221,7 @@ def test_backend_glue_triton_equals_reference():
         backend.compact = False
     kv = [torch.zeros(2, 1, 12, 64, 2, 64).to(DEV) for _ in range(2)]
     for backend, cache in zip(backends, kv, strict=True):
-        backend.allocate(cache[0], cache[1])
+        backend.allocate(cache_spec(cache[1], num_heads=8), cache[0], cache[1])
     lens = [200, 130, 63]
     tables = torch.tensor([[1, 5, 2, 9], [3, 4, 10, 0], [7, 0, 0, 0]], dtype=torch.int32, device=DEV)
 
@@ -246,8 +246,11 @@ def test_backend_glue_triton_equals_reference():
                           cache[0, 0], cache[1, 0], new)
             seq = torch.tensor([n + step + 1 for n in lens], dtype=torch.int32, device=DEV)
             q = torch.randn(3, 8, 64, generator=g).to(DEV)
-            steps.append(backend.decode(0, q, cache[0, 0], cache[1, 0], kernel_metadata(tables, seq, counters=c),
-                                        scale=0.125))
+            step_counters: dict = {}                                 # one step's, as the engine keeps them
+            meta = planned(backend, kernel_metadata(tables, seq, counters=step_counters))
+            steps.append(backend.decode(0, q, cache[0, 0], cache[1, 0], meta, scale=0.125))
+            for key, val in step_counters.items():
+                c[key] = c.get(key, 0.0) + float(val)
         outs.append(torch.cat([prompt_out.cpu(), torch.stack(steps).cpu().flatten(0, 1)]))
         counters.append({key: float(val) for key, val in c.items()})
     check_close(outs[1], outs[0])
@@ -266,6 +269,7 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     from engine.attention.select import make_attention_backend
     from engine.config import FlashDecodingConfig
     from engine.model.layers import RotaryEmbedding
+    from tests.support.attention_metadata import cache_spec
     fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, delta=2.0, ffd_crossover_tokens=4096)
     rope = RotaryEmbedding(64, 64, max_position=512, base=10000.0).to(DEV)
     gen = torch.Generator().manual_seed(3)
@@ -286,7 +290,7 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
         backend = make_attention_backend(fd, torch.device("cpu"), "cpu")
         backend.triton = True
         cache = torch.zeros(2, 1, 8, 64, kv_heads, 64, device=DEV)
-        backend.allocate(cache[0], cache[1])
+        backend.allocate(cache_spec(cache[1], num_heads=heads), cache[0], cache[1])
         assert backend.fuse_rope_store and type(backend).post_store is not AttentionBackend.post_store
         backend.fuse_rope_store = fused
         layer = Attention(heads, kv_heads, 64, 0.125, layer_idx=0)
@@ -309,8 +313,9 @@ def test_rope_fused_write_then_post_store_equals_the_backend_store():
     compact = make_attention_backend(FlashDecodingConfig(kernel="ffd", ffd_block_size=64), torch.device("cpu"), "cpu",
                                      max_num_seqs=2, max_num_batched_tokens=256)
     compact.triton = True
-    compact.allocate(torch.zeros(1, compact.key_cache_pages(8), 64, kv_heads, 64, device=DEV),
-                           torch.zeros(1, 8, 64, kv_heads, 64, device=DEV))
+    compact_v = torch.zeros(1, 8, 64, kv_heads, 64, device=DEV)
+    compact.allocate(cache_spec(compact_v, num_heads=heads),
+                     torch.zeros(1, compact.key_cache_pages(8), 64, kv_heads, 64, device=DEV), compact_v)
     assert compact.exact is not None and not compact.fuse_rope_store
 
 
