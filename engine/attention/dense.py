@@ -140,6 +140,7 @@ class DenseBackend(AttentionBackend):
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
+        self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
 
     def plan(self, shape: StepShape) -> DensePlan:
         """One decode plan for every layer of a decode-only step on the Triton path."""

@@ -191,6 +191,7 @@ class FFDBackend(AttentionBackend):
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Allocate the quantized keys of the N KV pages and, compact, the page -> K page map."""
         self.spec = spec
+        self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
         if self.dense is not None:
             self.dense.allocate(spec, k_cache, v_cache)
         num_layers, num_blocks, block_size, kv_heads, head_dim = v_cache.shape

@@ -253,6 +253,8 @@ def plan_ffd_decode(batch: int, num_heads: int, kv_heads: int, dim: int, block_s
                              p_ml=None)
     group = num_heads // kv_heads
     dev = device
+    if dev.type == "cuda" and dev.index is None:   # "cuda" names the current device; tensors name it with its index
+        dev = torch.device("cuda", torch.cuda.current_device())
     units = num_compute_units(dev)
     launchable = programmatic_launch(dev)
     if pdl and not launchable:

@@ -1,6 +1,6 @@
 """A backend's decode step through plan + run (`AttentionBackend.plan` once per step: the kernels'
 `plan_decode` / `plan_ffd_decode`; each layer's `decode`: `run_decode` / `run_ffd_decode`) equals the
-functional kernels layer by layer, bit for bit (Triton's interpreter on a CPU), counts what they count,
+functional kernels layer by layer, bit for bit (on a GPU, or in Triton's interpreter on a CPU), counts what they count,
 and plans once per step, not once per layer."""
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from kernels import decode_attention, new_stats
 from kernels.ffd.decode import ffd_decode
 from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
 
-CPU = torch.device("cpu")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+VENDOR = "auto" if DEV.type == "cuda" else "cpu"
+DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32   # what the GPU kernels are built for
 LAYERS = 3
 HEADS, KV_HEADS = 4, 2
 
@@ -38,7 +40,8 @@ def paged_layers(lens: tuple[int, ...], *, layers: int, dim: int, page: int, see
         tables[b, :n] = order[start:start + n]
         start += n
     q = torch.randn(layers, len(lens), HEADS, dim, generator=gen)
-    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+    q, k, v = (x.to(DEV, DTYPE) for x in (q, k, v))
+    return q, k, v, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
@@ -64,7 +67,7 @@ DENSE_SETTINGS = [
 
 @pytest.mark.parametrize("settings", DENSE_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_dense_step_plans_once_and_equals_the_functional_kernels(settings, monkeypatch):
-    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu")
+    backend = make_attention_backend(FlashDecodingConfig(**settings), DEV, VENDOR)
     backend.triton = True                    # the GPU path, in the interpreter
     lens = (45, 16, 33)                      # odd lengths; 16 ends exactly on a page boundary
     q, k, v, tables, seq_lens = paged_layers(lens, layers=LAYERS, dim=16, page=16, seed=1)
@@ -87,7 +90,7 @@ def test_dense_step_plans_once_and_equals_the_functional_kernels(settings, monke
     assert backend.plan(StepShape(len(lens), tables.shape[1], decode_only=False)) == DensePlan()
     assert len(plans) == 2                   # a prefill step plans no decode
 
-    stats = [new_stats(CPU), new_stats(CPU)]
+    stats = [new_stats(DEV), new_stats(DEV)]
     for i in range(LAYERS):
         for b, out, step_stats in ((len(lens), outs[i], stats[0]), (2, outs2[i], stats[1])):
             extra = {"phi": backend.phi_for(i), "fallback": backend.fallback, "stats": step_stats} if fdpp else {}
@@ -106,7 +109,7 @@ def test_dense_step_plans_once_and_equals_the_functional_kernels(settings, monke
 
 
 def test_dense_plan_is_required_on_the_triton_path():
-    backend = make_attention_backend(FlashDecodingConfig(), CPU, "cpu")
+    backend = make_attention_backend(FlashDecodingConfig(), DEV, VENDOR)
     backend.triton = True
     q, k, v, tables, seq_lens = paged_layers((20,), layers=1, dim=16, page=16, seed=2)
     backend.allocate(cache_spec(v, HEADS), k, v)
@@ -120,7 +123,8 @@ def quantized_layers(backend, lens: tuple[int, ...], *, layers: int, seed: int):
     q, k, v, tables, seq_lens = paged_layers(lens, layers=layers, dim=64, page=page, seed=seed)
     k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
     backend.allocate(cache_spec(v_cache, HEADS), k_cache, v_cache)
-    slots = torch.tensor([int(tables[b, p // page]) * page + p % page for b, n in enumerate(lens) for p in range(n)])
+    slots = torch.tensor([int(tables[b, p // page]) * page + p % page for b, n in enumerate(lens) for p in range(n)],
+                         device=DEV)
     for i in range(layers):
         flat_k, flat_v = k[i].flatten(0, 1), v[i].flatten(0, 1)   # [pages * page, Hkv, D], row = slot
         backend.store(i, flat_k[slots], flat_v[slots], k_cache[i], v_cache[i], slots)
@@ -129,7 +133,7 @@ def quantized_layers(backend, lens: tuple[int, ...], *, layers: int, seed: int):
 
 def test_ffd_step_plans_once_and_equals_the_functional_kernel(monkeypatch):
     fd = FlashDecodingConfig(kernel="ffd", ffd_block_size=64, delta=2.0, sink_tokens=4, local_window=64)
-    backend = make_attention_backend(fd, CPU, "cpu")
+    backend = make_attention_backend(fd, DEV, VENDOR)
     backend.compact = False                  # every exact K page kept (the compact pool: test_ffd_compact.py)
     lens = (130, 64, 7)                      # odd lengths; 64 ends exactly on a page boundary
     layers = 2
@@ -144,10 +148,10 @@ def test_ffd_step_plans_once_and_equals_the_functional_kernel(monkeypatch):
     totals = [int(counters["ffd_blocks_total"]), int(counters["ffd_blocks_kept"])]
     monkeypatch.undo()
 
-    summed = torch.zeros(2, dtype=torch.int64)
+    summed = torch.zeros(2, dtype=torch.int64, device=DEV)
     for i in range(layers):
         pages = backend.pages_of(i)
-        stats = torch.zeros(2, dtype=torch.int64)
+        stats = torch.zeros(2, dtype=torch.int64, device=DEV)
         alone = ffd_decode(q[i], k[i], v[i], pages.codes, pages.scales, pages.residual, tables, seq_lens,
                            scale=0.125, params=backend.params, num_splits=backend.num_splits or None, stats=stats)
         assert torch.equal(outs[i], alone), f"layer {i}"
@@ -158,7 +162,7 @@ def test_ffd_step_plans_once_and_equals_the_functional_kernel(monkeypatch):
 def test_auto_step_below_the_crossover_runs_the_flash_plan(monkeypatch):
     """"auto" with no row able to reach the crossover: the step's plan is the Flash-Decoding backend's."""
     fd = FlashDecodingConfig(kernel="auto", ffd_block_size=64, ffd_crossover_tokens=4096)
-    backend = make_attention_backend(fd, CPU, "cpu")
+    backend = make_attention_backend(fd, DEV, VENDOR)
     assert backend.dense is not None
     backend.triton = backend.dense.triton = True
     q, k, v, tables, seq_lens = paged_layers((70, 64), layers=2, dim=64, page=64, seed=4)
@@ -177,7 +181,7 @@ def test_the_model_runner_plans_every_eager_step_once(tmp_path, monkeypatch):
     """Each forward: the backend's page bookkeeping and its plan once, for the step's shape."""
     from engine import LLM, SamplingParams
     from tests.support.tiny_models import make_tiny_model
-    llm = LLM(model=make_tiny_model(tmp_path, "llama"), block_size=16, num_kv_blocks=64)
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), block_size=16, num_kv_blocks=64, gpu_vendor="cpu")
     runner, backend = llm.engine.runner, llm.engine.backend
     executed: list[int] = []
     prepared: list[int] = []

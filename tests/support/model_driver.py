@@ -71,6 +71,7 @@ class PagedModelDriver:
             query_start_loc=tensor(starts), seq_lens=tensor([self.num_cached[s] for s in batch]),
             block_tables=tensor(tables), max_query_len=max(query_lens),
             is_decode_only=all(n == 1 for n in query_lens))
+        metadata.plan = self.backend.plan(metadata.step_shape)
         input_ids = tensor([t for tokens in batch.values() for t in tokens], torch.long)
         return metadata, input_ids
 
