@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.layer import Attention, AttentionMetadata, forward_context
 from engine.attention.torch_reference import ReferenceBackend
 
@@ -27,12 +28,21 @@ class PagedModelDriver:
         if not layers:
             raise ValueError("model has no Attention layers")
         generator = torch.Generator().manual_seed(seed)
+        pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in layers:
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             # Large finite garbage: reading a slot that was never written changes the output
             # visibly (NaN would too, but the reference decode turns 0 * NaN padding into NaN).
-            layer.k_cache, layer.v_cache = (
-                (torch.randn(shape, generator=generator) * 100).to(self.device, param.dtype) for _ in range(2))
+            k, v = ((torch.randn(shape, generator=generator) * 100).to(self.device, param.dtype) for _ in range(2))
+            pages.append((k, v))
+        # One K and one V tensor for all layers, as the model runner allocates them and backends plan for.
+        self.k_cache = torch.stack([k for k, _ in pages])
+        self.v_cache = torch.stack([v for _, v in pages])
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
+        first = layers[0]
+        spec = KVCacheSpec(len(layers), first.num_heads, first.num_kv_heads, first.head_dim, block_size, param.dtype)
+        self.backend.allocate(spec, self.k_cache, self.v_cache)
         # Pages handed out in a shuffled order, so block tables are never 0..n-1.
         self.free_blocks: list[int] = torch.randperm(num_blocks, generator=generator).tolist()
         self.block_tables: dict[int, list[int]] = {}
