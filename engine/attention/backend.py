@@ -11,32 +11,15 @@ which the step's metadata carries. The block manager gives it the pages it frees
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.metadata import AttentionMetadata, AttentionPlan, StepShape
 
 if TYPE_CHECKING:
-    from engine.attention.layer import AttentionMetadata
     from engine.request.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step's kernel plans depend on: its rows, its block-table width (pages) and whether
-    every row decodes one token (`AttentionMetadata.step_shape`)."""
-
-    num_seqs: int
-    table_width: int
-    decode_only: bool
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """What a backend decided on the host for one step, read by its kernels through the step's
-    metadata (`AttentionMetadata.plan`); this base is empty, for steps where a backend plans nothing."""
 
 
 class AttentionBackend(abc.ABC):

@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.metadata import AttentionPlan, StepShape
 from engine.config import FlashDecodingConfig
 from kernels.attention import reference
 from kernels.vendor import vendor_configs
 
 if TYPE_CHECKING:
-    from engine.attention.layer import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
     from kernels.attention.decode import DecodePlan
 
 logger = logging.getLogger(__name__)

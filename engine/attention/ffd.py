@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
+from engine.attention.backend import AttentionBackend
 from engine.attention.dense import DenseBackend
 from engine.attention.ffd_cache import ExactKeyPages, FFDCacheSpec, FFDKeyCache, exact_pool_pages
 from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.metadata import AttentionPlan, StepShape
 from engine.config import FlashDecodingConfig
 from kernels.attention import reference
 from kernels.ffd.crossover import crossover_table
@@ -60,7 +61,7 @@ from kernels.ffd.reference import (
 )
 
 if TYPE_CHECKING:
-    from engine.attention.layer import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
     from engine.request.sequence import Sequence
     from kernels.ffd.decode import FFDDecodePlan
 

@@ -9,49 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
-
-# What a backend counts in a step: host floats, or 0-d device tensors the kernels add to (read without a sync).
-AttentionCounters = dict[str, float | torch.Tensor]
-
-
-@dataclass
-class AttentionMetadata:
-    """What one forward step needs to know about its batch (vLLM vocabulary).
-
-    positions[T]        position of each new token in its sequence
-    slot_mapping[T]     cache slot (block * block_size + row) each new token's K/V goes to; -1 skips
-    query_start_loc[B+1] offsets of each sequence's new tokens in the flat token batch
-    seq_lens[B]         context length of each sequence after this step (cached + new tokens)
-    block_tables[B, M]  the pages of each sequence, padded with 0
-    plan                the backend's host-side decisions for this step (`AttentionBackend.plan` of `step_shape`)
-    counters            what the backend counted this step (summed by the engine, exported by /metrics)
-    """
-
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    max_query_len: int
-    is_decode_only: bool
-    counters: AttentionCounters = field(default_factory=dict)
-    plan: AttentionPlan = field(default_factory=AttentionPlan)
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-    @property
-    def step_shape(self) -> StepShape:
-        """What the backend's plan for this step depends on."""
-        return StepShape(self.num_seqs, int(self.block_tables.shape[1]), self.is_decode_only)
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
 
 
 class RotaryFn(Protocol):

@@ -13,7 +13,7 @@ from engine.attention.backend import AttentionBackend
 from kernels.attention import reference
 
 if TYPE_CHECKING:
-    from engine.attention.layer import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
 
 
 class ReferenceBackend(AttentionBackend):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.layer import AttentionCounters
+from engine.attention.metadata import AttentionCounters
 from engine.config import ConfigError, FdserveConfig
 from engine.core.block_manager import BlockManager
 from engine.core.faults import describe, raise_if_unrecoverable

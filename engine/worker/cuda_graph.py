@@ -32,8 +32,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionPlan, StepShape
-from engine.attention.layer import AttentionCounters, AttentionMetadata, forward_context
+from engine.attention.backend import AttentionBackend
+from engine.attention.layer import forward_context
+from engine.attention.metadata import AttentionCounters, AttentionMetadata, AttentionPlan, StepShape
 from engine.request.sequence import Sequence
 
 logger = logging.getLogger(__name__)

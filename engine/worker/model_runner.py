@@ -21,7 +21,8 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
-from engine.attention.layer import Attention, AttentionCounters, AttentionMetadata, forward_context
+from engine.attention.layer import Attention, forward_context
+from engine.attention.metadata import AttentionCounters, AttentionMetadata
 from engine.request.sequence import Sequence
 from engine.worker.cuda_graph import DecodeGraphs
 

@@ -9,9 +9,9 @@ import torch
 
 import kernels
 import kernels.ffd.decode as ffd_kernels
-from engine.attention.backend import StepShape
 from engine.attention.dense import DensePlan
 from engine.attention.ffd import FFDPlan
+from engine.attention.metadata import StepShape
 from engine.attention.select import make_attention_backend
 from engine.config import FlashDecodingConfig
 from kernels import decode_attention, new_stats

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
-from engine.attention.layer import AttentionCounters, AttentionMetadata
+from engine.attention.metadata import AttentionCounters, AttentionMetadata
 
 
 def kernel_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None = None,
