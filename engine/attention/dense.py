@@ -33,6 +33,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.metadata import AttentionPlan, StepShape
+from engine.attention.phi_file import load_phi
 from engine.config import FlashDecodingConfig
 from kernels.attention import reference
 from kernels.vendor import vendor_configs
@@ -85,7 +86,6 @@ def phi_source(fd: FlashDecodingConfig, calibration_path: str | None) -> tuple[P
         if not path:
             raise ValueError("[flashdecoding] fixed_max_value = true needs the per-layer φ file written by "
                              "`fdserve calibrate`: set [flashdecoding] calibration_file")
-        from engine.tools.calibration import load_phi
         phis = load_phi(path)
 
         def calibrated(layer_idx: int) -> float:

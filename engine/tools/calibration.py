@@ -9,7 +9,6 @@ maxima must fit in. The file also says how many recorded rows would have fallen 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,10 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.layer import Attention, AttentionMetadata
+from engine.attention.phi_file import FORMAT_VERSION
 from engine.attention.torch_reference import ReferenceBackend
 from kernels.attention import reference
 
-FORMAT_VERSION = 1
 LOW_Q, HIGH_Q = 1e-4, 1 - 1e-4
 
 
@@ -98,17 +97,3 @@ def calibrate(model: torch.nn.Module, run_forward_fn: Callable[[AttentionBackend
     if output_path is not None:
         Path(output_path).write_text(json.dumps(result, indent=1))
     return result
-
-
-def load_phi(path: str | Path) -> list[float]:
-    """The per-layer φ list of a calibration file; a malformed file is an error naming it."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read the φ calibration file {path}: {exc}") from exc
-    phi = data.get("phi") if isinstance(data, dict) else None
-    if not isinstance(phi, list) or data.get("version") != FORMAT_VERSION or not phi \
-            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in phi):
-        raise ValueError(f"{path} is not a version-{FORMAT_VERSION} φ calibration file with a finite "
-                         "'phi' list (re-run `fdserve calibrate`)")
-    return [float(x) for x in phi]

@@ -17,7 +17,7 @@ from engine.request.outputs import EngineStats
 from server.core.engine_client import EngineClient
 from server.core.errors import APIError, model_not_found, unavailable
 from server.core.metrics import ServerMetrics
-from server.openai.logprobs import TokenTexts
+from server.core.token_texts import TokenTexts
 
 logger = logging.getLogger("fdserve.server")
 

@@ -21,9 +21,10 @@ from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
 from server.core.state import ServerState
 from server.core.streaming import DONE, sse, sse_error
+from server.core.token_texts import TokenTexts
 from server.openai.chat_stream import ChatDecoder, ChoiceDelta, ToolCallDelta
 from server.openai.constraints import constraint_processors
-from server.openai.logprobs import TokenTexts, chat_logprobs
+from server.openai.logprobs import chat_logprobs
 from server.openai.prompts import encode_prompt, render_chat
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.reasoning import ReasoningSplit, reasoning_split

@@ -19,8 +19,9 @@ from server.core.errors import APIError, bad_request
 from server.core.generation import Generation
 from server.core.state import ServerState
 from server.core.streaming import DONE, sse, sse_error
+from server.core.token_texts import TokenTexts
 from server.openai.constraints import constraint_processors
-from server.openai.logprobs import CompletionLogprobs, TokenTexts, merge_completion_logprobs
+from server.openai.logprobs import CompletionLogprobs, merge_completion_logprobs
 from server.openai.protocol import CompletionRequest
 from server.openai.respond import CLIENT_CLOSED, choice_error, respond, usage
 from server.openai.sampling import build_params, max_tokens_for

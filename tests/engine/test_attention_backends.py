@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from engine.attention.layer import Attention, AttentionMetadata, forward_context
+from engine.attention.phi_file import load_phi
 from engine.attention.select import make_attention_backend
 from engine.config import FlashDecodingConfig
-from engine.tools.calibration import calibrate, load_phi
+from engine.tools.calibration import calibrate
 from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref
 from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
