@@ -35,12 +35,13 @@ from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.metadata import AttentionPlan, StepShape
 from engine.attention.phi_file import load_phi
 from engine.config import FlashDecodingConfig
+from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, store_kv
 from kernels.attention import reference
+from kernels.attention.decode_host import check_shapes
 from kernels.vendor import vendor_configs
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
-    from kernels.attention.decode import DecodePlan
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,6 @@ class DenseBackend(AttentionBackend):
         """One decode plan for every layer of a decode-only step on the Triton path."""
         if not (self.triton and shape.decode_only):
             return DensePlan()
-        from kernels import plan_decode
         spec = self._spec()
         return DensePlan(plan_decode(shape.num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                      spec.block_size, shape.table_width, dtype=spec.dtype, device=self.device,
@@ -163,7 +163,6 @@ class DenseBackend(AttentionBackend):
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.triton:
-            from kernels import store_kv
             store_kv(key, value, k_cache, v_cache, slot_mapping)
         else:
             reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -207,14 +206,12 @@ class DenseBackend(AttentionBackend):
             counters = metadata.counters
             counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
             counters["fdpp_fallback_rows"] = self.step_stats[0]
-        from kernels import run_decode
         return run_decode(plan.decode, q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
                           phi=phi, stats=stats)
 
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
         if self.triton:
-            from kernels import prefill_attention
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                      metadata.query_start_loc, scale=scale, config=self.configs.prefill)
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
@@ -225,7 +222,6 @@ def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor
                        metadata: AttentionMetadata) -> None:
     """What a decode plan assumes of every layer's tensors, checked once per step (at layer 0): the
     layouts the kernels take, and the dtypes the plan was made for."""
-    from kernels.attention.decode_host import check_shapes
     check_shapes(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens)
     if q.dtype != spec.dtype or k_cache.dtype != spec.dtype:
         raise ValueError(f"decode: q {q.dtype} / cache {k_cache.dtype}, but the plan was made for {spec.dtype}")

@@ -50,8 +50,19 @@ from engine.attention.ffd_cache import ExactKeyPages, FFDCacheSpec, FFDKeyCache,
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.metadata import AttentionPlan, StepShape
 from engine.config import FlashDecodingConfig
+from kernels import store_kv
 from kernels.attention import reference
 from kernels.ffd.crossover import crossover_table
+from kernels.ffd.decode import (
+    FFDDecodePlan,
+    check_ffd_inputs,
+    ffd_sync_buffer,
+    plan_ffd_decode,
+    run_ffd_decode,
+    sync_entries,
+)
+from kernels.ffd.prefill import ffd_prefill
+from kernels.ffd.quantize import quantize_on_write
 from kernels.ffd.reference import (
     FFDParams,
     QuantizedPages,
@@ -63,7 +74,6 @@ from kernels.ffd.reference import (
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
     from engine.request.sequence import Sequence
-    from kernels.ffd.decode import FFDDecodePlan
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +251,6 @@ class FFDBackend(AttentionBackend):
             return self.dense.plan(shape)
         if not (self.triton and shape.decode_only):
             return AttentionPlan()
-        from kernels.ffd.decode import plan_ffd_decode
         if self.spec is None:
             raise RuntimeError("FFD: no KV cache spec to plan for (allocate was not called)")
         s = self.spec
@@ -279,7 +288,6 @@ class FFDBackend(AttentionBackend):
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.triton:
-            from kernels import store_kv
             store_kv(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
         else:
             reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping, self.key_page_map)
@@ -289,7 +297,6 @@ class FFDBackend(AttentionBackend):
         """After a K/V write (the backend's own, or RoPE's fused one): quantize the blocks it filled."""
         pages = self.pages_of(layer_idx)
         if self.triton:
-            from kernels.ffd.quantize import quantize_on_write
             quantize_on_write(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
         else:
             quantize_on_write_ref(k_cache, pages.codes, pages.scales, pages.residual, slot_mapping, self.key_page_map)
@@ -312,10 +319,8 @@ class FFDBackend(AttentionBackend):
             raise RuntimeError(f"FFDBackend.decode on the Triton path needs the step's FFDBackend.plan in its "
                                f"metadata; got {type(plan).__name__}")
         if layer_idx == 0:
-            from kernels.ffd.decode import check_ffd_inputs
             check_ffd_inputs("FFD decode", q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, self.params)
             plan.stats.zero_()
-        from kernels.ffd.decode import run_ffd_decode
         out = run_ffd_decode(plan.decode, q, k_cache, v_cache, pages.codes, pages.scales, pages.residual,
                              metadata.block_tables, metadata.seq_lens, scale=scale, stats=plan.stats,
                              key_page_map=self.key_page_map)
@@ -326,7 +331,6 @@ class FFDBackend(AttentionBackend):
     def _decode_sync(self, batch: int, kv_heads: int) -> torch.Tensor:
         """One counter buffer for every plan's decode (they run in stream order), grown with the batch;
         every run leaves it zero, so no memset per run."""
-        from kernels.ffd.decode import ffd_sync_buffer, sync_entries
         if self.sync is None or self.sync.numel() < sync_entries(batch, kv_heads):
             self.sync = ffd_sync_buffer(max(batch, 64), kv_heads, self.device)
         return self.sync
@@ -338,7 +342,6 @@ class FFDBackend(AttentionBackend):
             return self.dense.prefill(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         pages = self.pages_of(layer_idx)
         if self.triton:
-            from kernels.ffd.prefill import ffd_prefill
             return ffd_prefill(q, k_cache, v_cache, pages.codes, pages.scales, pages.residual, metadata.block_tables,
                                metadata.seq_lens, metadata.query_start_loc, scale=scale, params=self.params,
                                key_page_map=self.key_page_map)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.ffd.decode as ffd_kernels
+import engine.attention.dense as dense_backend
+import engine.attention.ffd as ffd_backend
 from engine.attention.dense import DensePlan
 from engine.attention.ffd import FFDPlan
 from engine.attention.metadata import StepShape
@@ -72,7 +72,7 @@ def test_dense_step_plans_once_and_equals_the_functional_kernels(settings, monke
     lens = (45, 16, 33)                      # odd lengths; 16 ends exactly on a page boundary
     q, k, v, tables, seq_lens = paged_layers(lens, layers=LAYERS, dim=16, page=16, seed=1)
     backend.allocate(cache_spec(v, HEADS), k, v)
-    plans = count_calls(monkeypatch, kernels, "plan_decode")
+    plans = count_calls(monkeypatch, dense_backend, "plan_decode")
     fdpp = backend.variant == "fdpp"
 
     counters: dict = {}
@@ -139,7 +139,7 @@ def test_ffd_step_plans_once_and_equals_the_functional_kernel(monkeypatch):
     layers = 2
     q, k, v, tables, seq_lens = quantized_layers(backend, lens, layers=layers, seed=3)
     backend.triton = True                    # the GPU decode, in the interpreter
-    plans = count_calls(monkeypatch, ffd_kernels, "plan_ffd_decode")
+    plans = count_calls(monkeypatch, ffd_backend, "plan_ffd_decode")
     counters: dict = {}
     meta = planned(backend, kernel_metadata(tables, seq_lens, counters=counters))
     outs = [backend.decode(i, q[i], k[i], v[i], meta, scale=0.125) for i in range(layers)]
@@ -167,7 +167,7 @@ def test_auto_step_below_the_crossover_runs_the_flash_plan(monkeypatch):
     backend.triton = backend.dense.triton = True
     q, k, v, tables, seq_lens = paged_layers((70, 64), layers=2, dim=64, page=64, seed=4)
     backend.allocate(cache_spec(v, HEADS), k, v)
-    plans = count_calls(monkeypatch, kernels, "plan_decode")
+    plans = count_calls(monkeypatch, dense_backend, "plan_decode")
     meta = planned(backend, kernel_metadata(tables, seq_lens))
     outs = [backend.decode(i, q[i], k[i], v[i], meta, scale=0.125) for i in range(2)]
     assert plans == [2] and isinstance(meta.plan, DensePlan)
