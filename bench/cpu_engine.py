@@ -1,7 +1,11 @@
-"""CPU tokens/s of our engine against transformers `generate` on the embedded default model.
+"""CPU tokens/s of our engine against transformers `generate` and llama.cpp on the embedded default.
 
-Batch 1 (one request) and N concurrent requests, greedy, same prompts, same run.
-    python -m bench.cpu_engine --tokens 64 --concurrency 8 --threads 1 --out bench/results/cpu_engine.json
+Chat prompts at batch 1 and N concurrent (greedy, same prompts); then prefill and decode tokens/s
+of random-token prompts at each `--contexts` length, batch 1: TTFT of one prompt, and the decode
+rate of a second prompt of the same length ((time of 1 + N tokens - TTFT) / N). llama.cpp runs the
+same GGUF file through `llama-cpp-python` (optional: `pip install llama-cpp-python`) with the same
+thread count. Each `--threads` value is a separate set of rows, all in one run:
+    python -m bench.cpu_engine --threads 1,2 --contexts 512,6000 --out bench/results/cpu_engine.json
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import platform
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,17 +53,71 @@ def time_transformers(model, tokenizer, prompts: list[list[dict]], max_tokens: i
     return elapsed, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
 
 
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rates(ttft_s: float, total_s: float, length: int, new_tokens: int) -> dict[str, float]:
+    return {"ttft_s": ttft_s, "prefill_tok_s": length / ttft_s, "decode_tok_s": new_tokens / (total_s - ttft_s)}
+
+
+def long_ours(llm: LLM, length: int, new_tokens: int, seed: int) -> dict[str, float]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 1 + new_tokens)]
+    llm.generate(random_prompt(length, seed + 2), params[0])                 # warm-up at this length
+    start = time.perf_counter()
+    llm.generate(random_prompt(length, seed), params[0])
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(random_prompt(length, seed + 1), params[1])                 # a fresh prompt: no cache hit
+    return rates(ttft, time.perf_counter() - start, length, new_tokens)
+
+
+def long_transformers(model: Any, length: int, new_tokens: int, seed: int) -> dict[str, float]:
+    from bench.hf_generate import time_generate
+
+    time_generate(model, random_prompt(length, seed + 2), 1)                 # warm-up at this length
+    ttft = time_generate(model, random_prompt(length, seed), 1)
+    total = time_generate(model, random_prompt(length, seed + 1), 1 + new_tokens)
+    return rates(ttft, total, length, new_tokens)
+
+
+def long_llama_cpp(llama: Any, length: int, new_tokens: int, seed: int) -> dict[str, float]:
+    """llama.cpp's prefill (one `eval` of the prompt) and decode (`eval` of one token at a time), timed apart."""
+    def prefill(prompt: list[int]) -> float:
+        llama.reset()                                                         # no reuse of the last prompt
+        start = time.perf_counter()
+        llama.eval(prompt)
+        return time.perf_counter() - start
+
+    prefill(random_prompt(length, seed))                                      # warm-up at this length
+    ttft = prefill(random_prompt(length, seed + 1))
+    start = time.perf_counter()
+    for token in random_prompt(new_tokens, seed + 2):
+        llama.eval([token])
+    return rates(ttft, ttft + time.perf_counter() - start, length, new_tokens)
+
+
+def load_llama_cpp(threads: int, context: int) -> Any | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from engine.model.loader import embedded_default_gguf
+
+    return Llama(model_path=str(embedded_default_gguf()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, verbose=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per chat request")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--contexts", default="512,6000", help="prompt lengths of the prefill / decode rows")
+    parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_engine.json"))
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for both engines (default: torch's choice); 1 is "
-                             "steadier on a shared machine, where oversubscribed threads spin")
+    parser.add_argument("--threads", default="1,2", help="torch (and llama.cpp) CPU thread counts, one row set each")
+    parser.add_argument("--no-transformers-long", action="store_true", help="skip transformers' long-prompt rows")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     llm = LLM()
@@ -68,21 +127,44 @@ def main() -> None:
     if hf_tok.pad_token is None:
         hf_tok.pad_token = hf_tok.eos_token
     chats = [[{"role": "user", "content": p}] for p in PROMPTS[:args.concurrency]]
-    time_ours(llm, chats[:1], 4)  # warm-up both
-    time_transformers(hf_model, hf_tok, chats[:1], 4)
-    rows = []
-    for label, batch in (("batch 1", chats[:1]), (f"{len(chats)} concurrent", chats)):
-        ours_s, ours_n = time_ours(llm, batch, args.tokens)
-        hf_s, hf_n = time_transformers(hf_model, hf_tok, batch, args.tokens)
-        rows.append({"case": label, "fdserve_tok_s": ours_n / ours_s, "transformers_tok_s": hf_n / hf_s,
-                     "ratio": (ours_n / ours_s) / (hf_n / hf_s), "tokens": ours_n})
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows, long_rows = [], []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        time_ours(llm, chats[:1], 4)  # warm-up both
+        time_transformers(hf_model, hf_tok, chats[:1], 4)
+        for label, batch in (("batch 1", chats[:1]), (f"{len(chats)} concurrent", chats)):
+            ours_s, ours_n = time_ours(llm, batch, args.tokens)
+            hf_s, hf_n = time_transformers(hf_model, hf_tok, batch, args.tokens)
+            rows.append({"threads": threads, "case": label, "fdserve_tok_s": ours_n / ours_s,
+                         "transformers_tok_s": hf_n / hf_s, "ratio": (ours_n / ours_s) / (hf_n / hf_s),
+                         "tokens": ours_n})
+        llama = load_llama_cpp(threads, max(contexts) + args.decode_tokens + 8)
+        for length in contexts:
+            row: dict[str, Any] = {"threads": threads, "context": length,
+                                   "fdserve": long_ours(llm, length, args.decode_tokens, seed=length)}
+            if not args.no_transformers_long:
+                row["transformers"] = long_transformers(hf_model, length, args.decode_tokens, seed=length)
+            if llama is not None:
+                row["llama_cpp"] = long_llama_cpp(llama, length, args.decode_tokens, seed=length)
+            long_rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llama
     result = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "max_tokens": args.tokens, "rows": rows}
+              "torch": torch.__version__, "weights": llm.engine.cpu_weights_text, "dtype": str(llm.engine.dtype),
+              "attention": llm.engine.backend.name, "max_tokens": args.tokens, "rows": rows, "long_rows": long_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"{'case':<16}{'fdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}")
+    print(f"{'threads':>7} {'case':<16}{'fdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}")
     for r in rows:
-        print(f"{r['case']:<16}{r['fdserve_tok_s']:>15.1f}{r['transformers_tok_s']:>20.1f}{r['ratio']:>8.2f}")
+        print(f"{r['threads']:>7} {r['case']:<16}{r['fdserve_tok_s']:>15.1f}{r['transformers_tok_s']:>20.1f}"
+              f"{r['ratio']:>8.2f}")
+    print(f"{'threads':>7} {'context':>7} {'engine':<13}{'prefill tok/s':>14}{'decode tok/s':>13}")
+    for r in long_rows:
+        for name in ("fdserve", "transformers", "llama_cpp"):
+            if name in r:
+                print(f"{r['threads']:>7} {r['context']:>7} {name:<13}{r[name]['prefill_tok_s']:>14.1f}"
+                      f"{r[name]['decode_tok_s']:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ def measure_hf_baseline(config: Any, args: argparse.Namespace) -> dict[str, Any]
     model_dir = resolve_model_dir(config.model.name)
     device, _ = select_device(config.backend.gpu_vendor)
     checkpoint_dtype = getattr(AutoConfig.from_pretrained(model_dir), "torch_dtype", None)
-    dtype = select_dtype(config.model.dtype, device, checkpoint_dtype)
+    dtype = select_dtype(config.model.dtype, device, checkpoint_dtype,
+                         cpu_weight_dtype=config.backend.cpu_weight_dtype)
     prompts = _prompt_maker(SimpleNamespace(tokenizer=Tokenizer.from_pretrained(model_dir)), args)
     return measure_transformers(model_dir, dtype, device, [prompts(r)[0] for r in range(args.repeat)],
                                 args.max_tokens)

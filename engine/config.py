@@ -98,6 +98,10 @@ class FlashDecodingConfig(_Section):
                                              "from which FFD runs; default: the one measured for this GPU")
 
 
+CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
+CpuAttention = Literal["fused", "reference"]
+
+
 class BackendConfig(_Section):
     gpu_vendor: Literal["auto", "nvidia", "amd", "cpu"] = "auto"
     kv_cache_ratio: float = Field(0.85, gt=0.0, le=1.0)
@@ -112,6 +116,11 @@ class BackendConfig(_Section):
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
     cpu_threads: int | None = Field(None, ge=1)
+    cpu_weight_dtype: CpuWeightDtype = Field(
+        "auto", description="CPU weights: auto = bfloat16 where a startup probe finds it fast, int4 decode "
+                           "weights where the checkpoint is already 4-bit; int4 = bf16 plus int4 for decode")
+    cpu_attention: CpuAttention = Field(
+        "fused", description="CPU attention: fused = torch SDPA / one-pass decode; reference = the paged oracle")
 
     @field_validator("tensor_parallel_size")
     @classmethod

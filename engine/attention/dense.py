@@ -10,8 +10,12 @@ algorithm:
       fixed_max_value = <num>  φ forced to that number (scaled-score units) for every layer
       fixed_max_value = false  φ estimated per step from the sink + local-window tokens
 
-On a GPU every choice runs our Triton kernels; on the CPU the torch reference of the same
-algorithm (split and merge, unified max). `backend.name` says exactly which.
+On a GPU every choice runs our Triton kernels. On the CPU `[backend] cpu_attention` picks:
+"fused" (default) runs prefill through torch SDPA and "standard" / "flash" decode as one exact
+pass (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the
+result is the same softmax); "fdpp" keeps its unified-max reference, whose arithmetic differs.
+"reference" runs the torch reference of every algorithm (split and merge, unified max).
+`backend.name` says exactly which.
 
 Per step, `plan` makes one decode plan (`kernels.plan_decode`: split count, workspaces) for a
 decode-only step on the GPU; each layer's `decode` runs it (`kernels.run_decode`).
@@ -34,9 +38,9 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.metadata import AttentionPlan, StepShape
 from engine.attention.phi_file import load_phi
-from engine.config import FlashDecodingConfig
+from engine.config import CpuAttention, FlashDecodingConfig
 from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, store_kv
-from kernels.attention import reference
+from kernels.attention import cpu, reference
 from kernels.attention.decode_host import check_shapes
 from kernels.vendor import vendor_configs
 
@@ -104,11 +108,14 @@ class DenseBackend(AttentionBackend):
     with RoPE on a GPU). Triton kernels on a GPU (`vendor`'s launch configs), torch on the CPU."""
 
     def __init__(self, fd: FlashDecodingConfig, device: torch.device, vendor: str, *,
-                 calibration_path: str | None = None) -> None:
+                 calibration_path: str | None = None, cpu_attention: CpuAttention = "fused") -> None:
         self.variant = decode_variant(fd)
         self.device = device
         on_gpu = device.type == "cuda"
         self.triton = on_gpu                     # Triton kernels (GPU; the interpreter in tests)
+        self.cpu_fused = not on_gpu and cpu_attention == "fused"
+        self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
+        self.page_runs: list[list[cpu.PageRun]] | None = None   # this step's, from layer 0
         self.fuse_rope_store = on_gpu
         self.configs = vendor_configs(vendor)
         self.num_splits = fd.num_splits
@@ -136,9 +143,12 @@ class DenseBackend(AttentionBackend):
         details = [splits_text]
         if self.variant == "fdpp":
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
-        store_text = f"{where}, fused with RoPE" if on_gpu else where
-        self.name = (f"{where}: {TITLES[self.variant]} ({', '.join(details)}); prefill: {where}; "
-                     f"kv store: {store_text}")
+        decode_text = f"{where}: {TITLES[self.variant]} ({', '.join(details)})"
+        if self.cpu_fused_decode:
+            decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
+        prefill_text = "torch SDPA (cpu)" if self.cpu_fused else where
+        store_text = f"{where}, fused with RoPE" if on_gpu else ("torch index copy (cpu)" if self.cpu_fused else where)
+        self.name = f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
@@ -164,6 +174,8 @@ class DenseBackend(AttentionBackend):
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.triton:
             store_kv(key, value, k_cache, v_cache, slot_mapping)
+        elif self.cpu_fused:
+            cpu.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
         else:
             reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -172,6 +184,11 @@ class DenseBackend(AttentionBackend):
         if self.triton:
             return self._run_plan(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         counters = metadata.counters
+        if self.cpu_fused_decode:
+            if layer_idx == 0 or self.page_runs is None:   # the step's block tables, once for all layers
+                self.page_runs = cpu.page_runs(metadata.block_tables, metadata.seq_lens, k_cache.shape[1])
+            return cpu.decode_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                            scale=scale, runs=self.page_runs)
         if self.variant == "standard":
             return reference.decode_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                   scale=scale)
@@ -214,6 +231,9 @@ class DenseBackend(AttentionBackend):
         if self.triton:
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                      metadata.query_start_loc, scale=scale, config=self.configs.prefill)
+        if self.cpu_fused:
+            return cpu.prefill_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                             metadata.query_start_loc, scale=scale)
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                metadata.query_start_loc, scale=scale)
 

@@ -14,7 +14,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.dense import DenseBackend
 from engine.attention.ffd import NEVER, FFDBackend, check_ffd_device, crossover_for
-from engine.config import BackendConfig, FlashDecodingConfig
+from engine.config import BackendConfig, CpuAttention, FlashDecodingConfig
 from kernels.vendor import check_vendor
 
 logger = logging.getLogger(__name__)
@@ -25,10 +25,11 @@ _LIMITS = BackendConfig()
 def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_vendor: str, *,
                            max_num_seqs: int = _LIMITS.max_num_seqs,
                            max_num_batched_tokens: int = _LIMITS.max_num_batched_tokens,
-                           calibration_path: str | None = None, crossover: int | None = None) -> AttentionBackend:
+                           calibration_path: str | None = None, crossover: int | None = None,
+                           cpu_attention: CpuAttention = _LIMITS.cpu_attention) -> AttentionBackend:
     """Build the backend for `fd` on `device` with `[backend] gpu_vendor`; `max_num_seqs` and
     `max_num_batched_tokens` size FFD's pool of exact K pages; `crossover` overrides the stored
-    FFD crossover (tests).
+    FFD crossover (tests); `cpu_attention` picks the CPU's dense attention (`DenseBackend`).
 
     Raises ValueError for a vendor the hardware contradicts, a vendor that contradicts the
     device, a kernel this GPU cannot run (FFD on AMD), an "auto" crossover measured nowhere, or
@@ -38,7 +39,7 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
     if (device.type == "cuda") != (vendor in ("nvidia", "amd")):
         raise ValueError(f"gpu_vendor {vendor!r} does not match the device {device}")
     if not (fd.enable and fd.kernel in ("ffd", "auto")):
-        return DenseBackend(fd, device, vendor, calibration_path=calibration_path)
+        return DenseBackend(fd, device, vendor, calibration_path=calibration_path, cpu_attention=cpu_attention)
     check_ffd_device(device, vendor, fd.kernel)
     min_len, dense = 0, None
     if fd.kernel == "auto":
@@ -47,8 +48,9 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
         if min_len >= NEVER:   # measured: FFD never wins here, so "auto" is plain Flash-Decoding
             logger.info("[flashdecoding] kernel = \"auto\": FFD was never faster than Flash-Decoding on this GPU "
                         "when measured (kernels/ffd/crossover.json); running kernel = \"flash\"")
-            return DenseBackend(flash, device, vendor)
-        dense = DenseBackend(flash.model_copy(update={"async_softmax": False}), device, vendor)
+            return DenseBackend(flash, device, vendor, cpu_attention=cpu_attention)
+        dense = DenseBackend(flash.model_copy(update={"async_softmax": False}), device, vendor,
+                             cpu_attention=cpu_attention)
     backend = FFDBackend(fd, device, min_ffd_len=min_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, dense=dense)
     logger.info("attention: %s", backend.name)

@@ -27,6 +27,7 @@ from engine.core.inflight import InFlightStep, copy_to_host
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.step_isolation import StepIsolation
+from engine.model.cpu_weights import configure_cpu_weights
 from engine.model.layers import configure_matmul, linear_shapes
 from engine.model.loader import load_model, resolve_model_dir
 from engine.request.errors import ContextLengthExceeded
@@ -61,13 +62,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.dtype = select_dtype(config.model.dtype, self.device, getattr(hf_config, "torch_dtype", None))
+        self.dtype = select_dtype(config.model.dtype, self.device, getattr(hf_config, "torch_dtype", None),
+                                  cpu_weight_dtype=config.backend.cpu_weight_dtype)
         self.max_context_len = self._resolve_context_len(hf_config)
         self.max_new_tokens = config.model.max_new_tokens
         self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
         self.backend = self._make_backend()
         self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling,
                                 self.max_context_len)
+        self.cpu_weights_text = (configure_cpu_weights(self.model, config.backend.cpu_weight_dtype, self.dtype)
+                                 if self.device.type == "cpu" else "")
         # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
         configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
         block_size = self.backend.page_size(config.backend.block_size)
@@ -127,7 +131,8 @@ class LLMEngine:
         limits = self.config.backend
         return make_attention_backend(self.config.flashdecoding, self.device, self.vendor,
                                       max_num_seqs=limits.max_num_seqs,
-                                      max_num_batched_tokens=limits.max_num_batched_tokens)
+                                      max_num_batched_tokens=limits.max_num_batched_tokens,
+                                      cpu_attention=limits.cpu_attention)
 
     def _capture_graphs(self) -> str:
         backend = self.config.backend

@@ -13,6 +13,7 @@ startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-
 """
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, overload
@@ -36,6 +37,32 @@ _matmul: Callable[..., torch.Tensor] = F.linear   # set by configure_matmul
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ (+ b) for every linear layer, through the implementation `configure_matmul` chose."""
     return _matmul(x, weight, bias)
+
+
+class DecodeWeight(abc.ABC):
+    """A second form of one layer's weight for decode-sized products (`engine/model/cpu_weights.py`:
+    int4 on the CPU, where a decode step is a read of every weight)."""
+
+    max_tokens: int   # products with more rows (prefill chunks) use the dense weight
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x·Wᵀ [M, N] in x's dtype."""
+
+
+class HasWeight(nn.Module):
+    """A layer whose `weight` [N, K] multiplies its input; `decode_weight` may stand in for it."""
+
+    weight: nn.Parameter
+    decode_weight: DecodeWeight | None = None
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x·Wᵀ (+ b): `decode_weight` for rows up to its `max_tokens`, else `linear`."""
+        decode = self.decode_weight
+        if decode is not None and x.dim() == 2 and x.shape[0] <= decode.max_tokens:
+            out = decode(x)
+            return out if bias is None else out + bias
+        return linear(x, self.weight, bias)
 
 
 def configure_matmul(fd: FlashDecodingConfig, device: torch.device, dtype: torch.dtype,
@@ -190,17 +217,35 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin_tables(base, rotary_dim, max_position, scaling)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        # `_step_tables`: (positions, cos, sin, the cos_cache they came from)
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x[T, H*D] -> same shape, first rotary_dim features of each head rotated."""
+        """x[T, H*D] -> same shape, first rotary_dim features of each head rotated.
+
+        rotate-half as x·cos + roll(x)·sin with cos = [c, c] and sin = [-s, s]: the same products and
+        sums as transformers' x·cos + rotate_half(x)·sin, in fewer ops (a decode step runs this for
+        every layer)."""
         num_tokens = x.shape[0]
         heads = x.view(num_tokens, -1, self.head_dim)
         rot = heads[..., :self.rotary_dim].float()
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        rotated = (rot * cos + rot.roll(self.rotary_dim // 2, dims=-1) * sin).to(x.dtype)
         if self.rotary_dim < self.head_dim:
             rotated = torch.cat((rotated, heads[..., self.rotary_dim:]), dim=-1)
         return rotated.reshape(num_tokens, -1)
+
+    def _step_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, rotary_dim] cos = [c, c] and sin = [-s, s] at `positions`, looked up once per step
+        (every layer of a step rotates at the same positions; a copy of them is the cache key)."""
+        cached = self._tables
+        if (cached is not None and cached[3] is self.cos_cache and cached[0].shape == positions.shape
+                and torch.equal(cached[0], positions)):
+            return cached[1], cached[2]
+        cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        cos_full = torch.cat((cos, cos), dim=-1)[:, None, :]
+        sin_signed = torch.cat((-sin, sin), dim=-1)[:, None, :]
+        self._tables = (positions.clone(), cos_full, sin_signed, self.cos_cache)
+        return cos_full, sin_signed
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,8 +253,7 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda:
             return fused.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
                                           self.head_dim, self.rotary_dim)
-        cos = self.cos_cache[positions][:, None, :]
-        sin = self.sin_cache[positions][:, None, :]
+        cos, sin = self._step_tables(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -224,7 +268,7 @@ class RotaryEmbedding(nn.Module):
 # Tensor-parallel linear layers
 # ---------------------------------------------------------------------------------------------
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HasWeight):
     """y = x W^T + b with W's output rows split across ranks: this rank holds rows
     [rank * out/tp, (rank+1) * out/tp). Output stays sharded unless `gather_output`."""
 
@@ -252,7 +296,7 @@ class ColumnParallelLinear(nn.Module):
         _check_and_copy(param, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias)
+        out = self.product(x, self.bias)
         return tensor_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -327,7 +371,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                         f"qkv shard {shard_id}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HasWeight):
     """y = x W^T + b with W's input columns split across ranks; x arrives already split (the
     output of a column-parallel layer) and partial products are summed by an all-reduce.
     The bias is added once, after the reduction."""
@@ -352,13 +396,13 @@ class RowParallelLinear(nn.Module):
         _check_and_copy(param, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = self.product(x)
         if self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(HasWeight):
     """Embedding table split by vocabulary rows. The vocabulary is padded to a multiple of the
     TP size; rank r owns ids [r * per_rank, (r+1) * per_rank). Ids outside this rank's range
     embed to zero and the all-reduce fills them in from their owner."""
@@ -402,7 +446,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> float32 logits[N, vocab]: local matmul, gather over ranks, drop padding."""
-        logits = tensor_parallel_all_gather(linear(hidden, self.weight))
+        logits = tensor_parallel_all_gather(self.product(hidden))
         return logits[:, :self.num_embeddings].float()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

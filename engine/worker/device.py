@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ConfigError
+from engine.worker.cpu_probe import probe_cpu_dtype
 from kernels.vendor import detect_vendor
 
 
@@ -19,10 +20,15 @@ def select_device(gpu_vendor: str) -> tuple[torch.device, str]:
     return (torch.device("cuda") if gpu_vendor in ("nvidia", "amd") else torch.device("cpu")), gpu_vendor
 
 
-def select_dtype(requested: str, device: torch.device, model_dtype: torch.dtype | None) -> torch.dtype:
-    """float32 on CPU (no bf16 units on most CPUs); on GPU the model's half type, bf16 by default."""
+def select_dtype(requested: str, device: torch.device, model_dtype: torch.dtype | None, *,
+                 cpu_weight_dtype: str = "auto") -> torch.dtype:
+    """`[model] dtype` when set; on CPU otherwise `[backend] cpu_weight_dtype` ("auto": bfloat16 where
+    the startup probe finds its matmuls fast, else float32; "int4": bf16 activations for the int4 decode
+    weights); on GPU the model's half type, bf16 by default."""
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cpu":
-        return torch.float32
+        if cpu_weight_dtype == "auto":
+            return probe_cpu_dtype()
+        return torch.bfloat16 if cpu_weight_dtype == "int4" else getattr(torch, cpu_weight_dtype)
     return torch.float16 if model_dtype == torch.float16 else torch.bfloat16

@@ -1,4 +1,5 @@
-"""`[flashdecoding]` -> backend: each switch picks exactly one algorithm, on CPU its reference."""
+"""`[flashdecoding]` -> backend: each switch picks exactly one algorithm; on CPU its torch reference
+(`cpu_attention = "reference"`) or the fused CPU attention (the default)."""
 from __future__ import annotations
 
 import json
@@ -45,15 +46,29 @@ def run_decode(backend, inputs, layer_idx=0, counters=None):
     ({"async_softmax": True, "fixed_max_value": 3.5}, "φ forced to 3.5"),
 ])
 def test_each_setting_names_and_runs_its_algorithm(settings, title):
+    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu", cpu_attention="reference")
+    assert backend.name.startswith("torch reference (cpu): ") and title in backend.name
+    assert "prefill: torch reference (cpu)" in backend.name
+    inputs = decode_inputs()
+    out = run_decode(backend, inputs)
+    assert torch.allclose(out, decode_attention_ref(*inputs, scale=0.25), atol=1e-5)
+
+
+@pytest.mark.parametrize("settings, decode_name", [
+    ({"enable": False}, "torch one exact pass (cpu), the softmax of standard attention"),
+    ({"kernel": "flash"}, "torch one exact pass (cpu), the softmax of Flash-Decoding"),
+    ({"async_softmax": True}, "torch reference (cpu): FlashDecoding++"),     # its arithmetic differs: no fusing
+])
+def test_fused_cpu_attention_names_what_runs(settings, decode_name):
     backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu")
-    assert title in backend.name and "torch reference" in backend.name
+    assert backend.name.startswith(decode_name) and "prefill: torch SDPA (cpu)" in backend.name
     inputs = decode_inputs()
     out = run_decode(backend, inputs)
     assert torch.allclose(out, decode_attention_ref(*inputs, scale=0.25), atol=1e-5)
 
 
 def test_flash_on_cpu_really_splits():
-    backend = make_attention_backend(FlashDecodingConfig(num_splits=4), CPU, "cpu")
+    backend = make_attention_backend(FlashDecodingConfig(num_splits=4), CPU, "cpu", cpu_attention="reference")
     inputs = decode_inputs()
     out = run_decode(backend, inputs)
     expected = decode_reference(*inputs, scale=0.25, variant="flash", num_splits=4)

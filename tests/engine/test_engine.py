@@ -13,7 +13,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_llm(tiny_dir, **overrides):
-    settings = dict(block_size=16, max_num_batched_tokens=256, cpu_kv_cache_bytes=32 << 20)
+    # float32: these tests compare tokens across batch shapes exactly, which bf16's rounding breaks
+    settings = dict(block_size=16, max_num_batched_tokens=256, cpu_kv_cache_bytes=32 << 20, cpu_weight_dtype="float32")
     return LLM(model=tiny_dir, **{**settings, **overrides})
 
 
@@ -46,7 +47,7 @@ def test_small_cache_preempts_and_completes(tiny_dir):
     reference = make_llm(tiny_dir).generate(batch, GREEDY)
     # 14 blocks x 16 tokens: far less than 16 sequences need at once.
     small = LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=256, num_kv_blocks=14,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, cpu_weight_dtype="float32")
     results = small.generate(batch, GREEDY)
     assert small.engine.scheduler.num_preemptions > 0
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
@@ -136,7 +137,7 @@ def test_prompt_logprobs_survive_preemption(tiny_dir):
     scoring = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     alone = [make_llm(tiny_dir).generate(p, scoring)[0] for p in batch]
     small = LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=64, num_kv_blocks=20,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, cpu_weight_dtype="float32")
     together = small.generate(batch, scoring)
     assert small.engine.scheduler.num_preemptions > 0
     for t, a in zip(together, alone, strict=True):

@@ -41,7 +41,8 @@ def same(a, b):
 
 
 def make_llm(tiny_dir, **overrides):
-    settings = dict(max_num_batched_tokens=1024, cpu_kv_cache_bytes=64 << 20, **FFD)
+    # float32: these tests compare logits across batch shapes to 1e-4, which bf16's rounding breaks
+    settings = dict(max_num_batched_tokens=1024, cpu_kv_cache_bytes=64 << 20, cpu_weight_dtype="float32", **FFD)
     return LLM(model=tiny_dir, **{**settings, **overrides})
 
 
@@ -67,7 +68,7 @@ def test_chunked_prefill_and_mixed_batch_equal_solo_cold_runs(tiny_dir):
     for a, b, c in zip(solo, batched, chunked, strict=True):
         same(a, b)
         same(a, c)
-    dense = LLM(model=tiny_dir, cpu_kv_cache_bytes=64 << 20).generate(prompts[0], GREEDY)[0]
+    dense = LLM(model=tiny_dir, cpu_kv_cache_bytes=64 << 20, cpu_weight_dtype="float32").generate(prompts[0], GREEDY)[0]
     assert dense.token_ids != solo[0].token_ids                 # pruning really changed the output
 
 

@@ -1,0 +1,200 @@
+"""Paged attention tuned for the CPU: torch's fused kernels over gathered K/V, no per-page Python.
+
+Same signatures and cache layout as `kernels.attention.reference` (its torch references stay the
+oracle). Prefill runs `scaled_dot_product_attention` (CPU flash kernels) over each sequence's
+gathered K/V; decode is one exact pass: short batches gathered once, long sequences read in place
+(a run of consecutive pages in the NHD layout is a strided [tokens, Hkv, D] view). In prefill a
+group's query heads see their KV head expanded, because SDPA's `enable_gqa` on the CPU is several
+times slower than the expanded call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.reference import gather_kv_ref, store_kv_ref
+
+
+def _heads_first(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """[L, Hkv, D] -> [Hkv * group, L, D], each KV head repeated for its `group` query heads."""
+    length, num_kv_heads, head_dim = kv.shape
+    heads = kv.permute(1, 0, 2)
+    if group == 1:
+        return heads
+    return heads[:, None].expand(num_kv_heads, group, length, head_dim).reshape(num_kv_heads * group, length,
+                                                                                   head_dim)
+
+
+def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """`reference.store_kv_ref` without its padding mask when no slot is padding (-1), as on the
+    CPU's eager steps: two index copies instead of a mask, its nonzero and two masked gathers."""
+    if slot_mapping.numel() == 0:
+        return
+    if int(slot_mapping.min()) < 0:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    block_size = k_cache.shape[1]
+    k_cache.view(k_cache.shape[0] * block_size, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(v_cache.shape[0] * block_size, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """`reference.prefill_attention_ref` through SDPA: q[T, Hq, D] of each sequence's new tokens
+    (the last q_len of its seq_lens[b] tokens, whose K/V are in the pages) -> out[T, Hq, D]."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for b, context_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _heads_first(gather_kv_ref(k_cache, block_tables[b], context_len).to(q.dtype), group)
+        v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len).to(q.dtype), group)
+        qh = q[q_start:q_end].transpose(0, 1)[None]     # 4-D: SDPA's CPU flash kernel takes no 3-D input
+        if q_len == context_len:
+            o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
+        else:   # a cached prefix: the causal diagonal sits at the bottom right
+            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask, scale=scale)
+        out[q_start:q_end] = o[0].transpose(0, 1)
+    return out
+
+
+# A padded gather of the whole batch is cheaper than a Python loop over sequences while the batch's
+# pages are short; past this many tokens each sequence reads its pages in place (no copy).
+GATHER_MAX_LEN = 1024
+# Half-precision pages of at least this many tokens are multiplied as they are, one KV head at a
+# time; shorter ones are converted to float32 first, where the fixed cost of a bf16 matmul of a few
+# query rows (~40 us) outweighs the conversion.
+NATIVE_HALF_MIN_LEN = 2048
+# A block table in more pieces than this is gathered instead (each piece costs two matmuls).
+MAX_PAGE_RUNS = 16
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Consecutive pages [first_block, first_block + num_blocks) holding `num_tokens` tokens."""
+
+    first_block: int
+    num_blocks: int
+    num_tokens: int
+
+
+def page_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[list[PageRun]]:
+    """Each sequence's pages as runs of consecutive block ids (the block manager hands out blocks in
+    order, so a sequence is usually one run): the views that `decode_attention_cpu` reads in place."""
+    runs: list[list[PageRun]] = []
+    for b, length in enumerate(seq_lens.tolist()):
+        num_pages = (length + block_size - 1) // block_size
+        if num_pages == 0:
+            runs.append([])
+            continue
+        table = block_tables[b, :num_pages].long()
+        breaks = ((table[1:] - table[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+        starts = [0, *breaks]
+        ends = [*breaks, num_pages]
+        first_blocks = table[starts].tolist()
+        runs.append([PageRun(first, end - start, min(end * block_size, length) - start * block_size)
+                     for first, start, end in zip(first_blocks, starts, ends, strict=True)])
+    return runs
+
+
+def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                         runs: list[list[PageRun]] | None = None) -> torch.Tensor:
+    """`reference.decode_attention_ref` without per-page Python: q[B, Hq, D] -> [B, Hq, D].
+
+    A batch whose sequences are all short is gathered and padded once (two batched matmuls);
+    otherwise each sequence multiplies its pages where they lie, one matmul per run of consecutive
+    pages (`runs`, from `page_runs`: computed here when not given, or once per step by the caller).
+    Scores and softmax are float32 (or float64 for float64 inputs)."""
+    batch = q.shape[0]
+    max_len = int(seq_lens.max().item()) if batch else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
+    if batch > 1 and max_len <= GATHER_MAX_LEN:
+        return _decode_gathered(q, k_cache, v_cache, block_tables, seq_lens, scale, max_len)
+    if runs is None:
+        runs = page_runs(block_tables, seq_lens, k_cache.shape[1])
+    out = torch.empty_like(q)
+    for b, seq_runs in enumerate(runs):
+        if not seq_runs:
+            out[b].zero_()
+            continue
+        if len(seq_runs) > MAX_PAGE_RUNS:
+            length = sum(run.num_tokens for run in seq_runs)
+            keys = [gather_kv_ref(k_cache, block_tables[b], length)]
+            values = [gather_kv_ref(v_cache, block_tables[b], length)]
+        else:
+            keys = [_run_view(k_cache, run) for run in seq_runs]
+            values = [_run_view(v_cache, run) for run in seq_runs]
+        out[b] = _attend_one(q[b], keys, values, scale)
+    return out
+
+
+def _run_view(cache: torch.Tensor, run: PageRun) -> torch.Tensor:
+    """The run's tokens as a [num_tokens, Hkv, D] view of the pages (no copy)."""
+    pages = cache[run.first_block:run.first_block + run.num_blocks]
+    return pages.view(-1, *cache.shape[2:])[:run.num_tokens]
+
+
+def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                scale: float) -> torch.Tensor:
+    """One query token q[Hq, D] over its KV in pieces ([n_i, Hkv, D] each) -> [Hq, D] in q's dtype."""
+    num_kv_heads, head_dim = keys[0].shape[1], keys[0].shape[2]
+    group = q.shape[0] // num_kv_heads
+    compute = torch.promote_types(q.dtype, torch.float32)
+    length = sum(k.shape[0] for k in keys)
+    native = keys[0].dtype == compute or length >= NATIVE_HALF_MIN_LEN
+    if not native:
+        keys = [k.to(compute) for k in keys]
+        values = [v.to(compute) for v in values]
+    qg = q.view(num_kv_heads, group, head_dim).to(keys[0].dtype)
+    if keys[0].dtype == compute:   # one batched matmul over the KV heads of each piece
+        scores = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in keys], dim=-1)
+    else:                          # half pages in place: bf16 batched matmuls over strided heads are slow
+        scores = torch.cat([torch.stack([qg[h] @ k[:, h].t() for h in range(num_kv_heads)]) for k in keys], dim=-1)
+    probs = torch.softmax(scores.to(compute).mul_(scale), dim=-1)   # [Hkv, G, length]
+    out = torch.zeros(num_kv_heads, group, head_dim, dtype=compute, device=q.device)
+    offset = 0
+    for v in values:
+        p = probs[..., offset:offset + v.shape[0]]
+        offset += v.shape[0]
+        if v.dtype == compute:
+            out += torch.matmul(p, v.permute(1, 0, 2))
+        else:
+            out += torch.stack([p[h].to(v.dtype) @ v[:, h] for h in range(num_kv_heads)]).to(compute)
+    return out.view(-1, head_dim).to(q.dtype)
+
+
+def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+    """The batch's pages gathered into one padded [B, Hkv, padded, D] per cache; padding masked."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    num_pages = (max_len + block_size - 1) // block_size
+    padded = num_pages * block_size
+    pages = block_tables[:, :num_pages].long()
+    group = num_heads // num_kv_heads
+
+    def heads_major(cache: torch.Tensor) -> torch.Tensor:   # [B, Hkv, padded, D] in `compute`
+        gathered = cache[pages].view(batch, padded, num_kv_heads, head_dim)
+        return gathered.permute(0, 2, 1, 3).to(compute, memory_format=torch.contiguous_format)
+
+    k, v = heads_major(k_cache), heads_major(v_cache)
+    visible = torch.arange(padded, device=q.device)[None, :] < seq_lens[:, None].to(q.device)   # [B, padded]
+    v.masked_fill_(~visible[:, None, :, None], 0.0)     # stale pages may hold NaN, and 0 * NaN = NaN
+    qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)                       # [B, Hkv, G, padded]
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim).to(q.dtype)
