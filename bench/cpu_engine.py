@@ -1,8 +1,9 @@
 """CPU tokens/s of our engine against transformers `generate` and llama.cpp on the embedded default.
 
 Chat prompts at batch 1 and N concurrent (greedy, same prompts); then prefill and decode tokens/s
-of random-token prompts at each `--contexts` length, batch 1: TTFT of one prompt, and the decode
-rate of a second prompt of the same length ((time of 1 + N tokens - TTFT) / N). llama.cpp runs the
+of random-token prompts at each `--contexts` length, batch 1: TTFT of a fresh prompt, and the decode
+rate after it (ours: the prompt again, from the prefix cache, for 1 + N tokens; transformers: the
+time of 1 + N tokens minus its TTFT; llama.cpp: one-token evals). llama.cpp runs the
 same GGUF file through `llama-cpp-python` (optional: `pip install llama-cpp-python`) with the same
 thread count. Each `--threads` value is a separate set of rows, all in one run:
     python -m bench.cpu_engine --threads 1,2 --contexts 512,6000 --out bench/results/cpu_engine.json
@@ -62,23 +63,26 @@ def rates(ttft_s: float, total_s: float, length: int, new_tokens: int) -> dict[s
 
 
 def long_ours(llm: LLM, length: int, new_tokens: int, seed: int) -> dict[str, float]:
+    """TTFT of a fresh prompt; then the same prompt again for 1 + N tokens, served from the prefix
+    cache but for its last partial page, so that run is N decode steps (and one short chunk)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 1 + new_tokens)]
     llm.generate(random_prompt(length, seed + 2), params[0])                 # warm-up at this length
+    prompt = random_prompt(length, seed)
     start = time.perf_counter()
-    llm.generate(random_prompt(length, seed), params[0])
+    llm.generate(prompt, params[0])
     ttft = time.perf_counter() - start
     start = time.perf_counter()
-    llm.generate(random_prompt(length, seed + 1), params[1])                 # a fresh prompt: no cache hit
-    return rates(ttft, time.perf_counter() - start, length, new_tokens)
+    llm.generate(prompt, params[1])
+    return rates(ttft, ttft + time.perf_counter() - start, length, new_tokens)
 
 
 def long_transformers(model: Any, length: int, new_tokens: int, seed: int) -> dict[str, float]:
     from bench.hf_generate import time_generate
 
     time_generate(model, random_prompt(length, seed + 2), 1)                 # warm-up at this length
-    ttft = time_generate(model, random_prompt(length, seed), 1)
-    total = time_generate(model, random_prompt(length, seed + 1), 1 + new_tokens)
-    return rates(ttft, total, length, new_tokens)
+    prompt = random_prompt(length, seed)                                     # no cache across calls
+    ttft = time_generate(model, prompt, 1)
+    return rates(ttft, time_generate(model, prompt, 1 + new_tokens), length, new_tokens)
 
 
 def long_llama_cpp(llama: Any, length: int, new_tokens: int, seed: int) -> dict[str, float]:
@@ -141,12 +145,13 @@ def main() -> None:
                          "tokens": ours_n})
         llama = load_llama_cpp(threads, max(contexts) + args.decode_tokens + 8)
         for length in contexts:
+            seed = 10 * length + threads                                     # new prompts for every row set
             row: dict[str, Any] = {"threads": threads, "context": length,
-                                   "fdserve": long_ours(llm, length, args.decode_tokens, seed=length)}
+                                   "fdserve": long_ours(llm, length, args.decode_tokens, seed)}
             if not args.no_transformers_long:
-                row["transformers"] = long_transformers(hf_model, length, args.decode_tokens, seed=length)
+                row["transformers"] = long_transformers(hf_model, length, args.decode_tokens, seed)
             if llama is not None:
-                row["llama_cpp"] = long_llama_cpp(llama, length, args.decode_tokens, seed=length)
+                row["llama_cpp"] = long_llama_cpp(llama, length, args.decode_tokens, seed)
             long_rows.append(row)
             print(json.dumps(row), flush=True)
         del llama
