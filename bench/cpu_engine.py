@@ -11,6 +11,7 @@ thread count. Each `--threads` value is a separate set of rows, all in one run:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import time
@@ -102,14 +103,14 @@ def long_llama_cpp(llama: Any, length: int, new_tokens: int, seed: int) -> dict[
 
 
 def load_llama_cpp(threads: int, context: int) -> Any | None:
-    try:
-        from llama_cpp import Llama
+    try:   # optional, and without type stubs
+        llama_cpp = importlib.import_module("llama_cpp")
     except ImportError:
         return None
     from engine.model.loader import embedded_default_gguf
 
-    return Llama(model_path=str(embedded_default_gguf()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                 n_batch=512, verbose=False)
+    return llama_cpp.Llama(model_path=str(embedded_default_gguf()), n_ctx=context, n_threads=threads,
+                           n_threads_batch=threads, n_batch=512, verbose=False)
 
 
 def main() -> None:
@@ -132,7 +133,8 @@ def main() -> None:
         hf_tok.pad_token = hf_tok.eos_token
     chats = [[{"role": "user", "content": p}] for p in PROMPTS[:args.concurrency]]
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows, long_rows = [], []
+    rows: list[dict[str, Any]] = []
+    long_rows: list[dict[str, Any]] = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         time_ours(llm, chats[:1], 4)  # warm-up both
