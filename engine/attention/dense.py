@@ -186,7 +186,9 @@ class DenseBackend(AttentionBackend):
         counters = metadata.counters
         if self.cpu_fused_decode:
             if layer_idx == 0 or self.page_runs is None:   # the step's block tables, once for all layers
-                self.page_runs = cpu.page_runs(metadata.block_tables, metadata.seq_lens, k_cache.shape[1])
+                seq_lens = metadata.seq_lens
+                in_place = seq_lens.numel() > 0 and cpu.reads_in_place(seq_lens.numel(), int(seq_lens.max()))
+                self.page_runs = cpu.page_runs(metadata.block_tables, seq_lens, k_cache.shape[1]) if in_place else []
             return cpu.decode_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                             scale=scale, runs=self.page_runs)
         if self.variant == "standard":

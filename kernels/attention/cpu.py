@@ -107,6 +107,11 @@ def page_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: in
     return runs
 
 
+def reads_in_place(batch: int, max_len: int) -> bool:
+    """Whether `decode_attention_cpu` reads this step's pages in place (and so uses `page_runs`)."""
+    return batch == 1 or max_len > GATHER_MAX_LEN
+
+
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                          runs: list[list[PageRun]] | None = None) -> torch.Tensor:
@@ -120,7 +125,7 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     max_len = int(seq_lens.max().item()) if batch else 0
     if max_len == 0:
         return torch.zeros_like(q)
-    if batch > 1 and max_len <= GATHER_MAX_LEN:
+    if not reads_in_place(batch, max_len):
         return _decode_gathered(q, k_cache, v_cache, block_tables, seq_lens, scale, max_len)
     if runs is None:
         runs = page_runs(block_tables, seq_lens, k_cache.shape[1])
