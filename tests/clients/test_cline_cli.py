@@ -1,8 +1,8 @@
 """The real Cline CLI against `fdserve serve` on the embedded default, configured as a user does
 (`cline auth -p openai-compatible -b URL -k KEY -m MODEL`, the command `fdserve client-config
 cline` prints), in a loopback-only network namespace with update checks and telemetry off.
-Opt-in (`-m clients`): Cline's ~5.7K-token system prompt takes minutes to prefill on CPU, and
-Cline gives up on a request after 300 s, so this needs an otherwise idle machine.
+Opt-in (`-m clients`): Cline's ~5.7K-token system prompt takes ~20 s to prefill on a 2-core CPU
+(longer while other work shares the cores), and Cline gives up on a request after 300 s.
 
 Needs node, the CLI (`npm install -g cline`), `unshare -n` and the embedded default model.
 """

