@@ -12,6 +12,9 @@ skipped. Prompts are random token ids from a seeded generator, different per req
 request hits another's prefix cache. Output: a table, JSON (`--out`) and a PNG next to it.
 
     python -m bench.e2e latency --context-len 512 --max-tokens 32 --variants standard,flash,fdpp
+
+A variant may name a KV cache dtype after a "+" (`flash+fp8_e4m3`: `[backend] kv_cache_dtype`);
+such a row is also compared with the same variant on the model-dtype cache (`speedup_vs_auto_kv`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "auto": {"flashdecoding.enable": True, "flashdecoding.kernel": "auto"},
 }
 BASELINE = "standard"
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")   # what may follow a variant's "+"
+
+
+def variant_overrides(variant: str) -> dict[str, Any]:
+    """The config keys of `variant` ("flash", or "flash+fp8_e4m3" for an FP8 KV cache)."""
+    name, _, kv_dtype = variant.partition("+")
+    return {**VARIANTS[name], **({"backend.kv_cache_dtype": kv_dtype} if kv_dtype else {})}
 # What an engine raises for a setting it cannot run here (a ConfigError is a ValueError).
 UNAVAILABLE_ERRORS = (ValueError, NotImplementedError, ImportError)
 
@@ -123,7 +133,7 @@ def steady_decode_tok_s(timings: list[RequestTiming]) -> float | None:
 def build_llm(config: Any, variant: str) -> Any:
     from engine.core.offline import LLM
 
-    return LLM(config, **VARIANTS[variant])
+    return LLM(config, **variant_overrides(variant))
 
 
 def free_memory() -> None:
@@ -207,7 +217,8 @@ def _measure(engine: Any, variant: str, prompts: Callable[[int], list[list[int]]
     stats = engine.stats()
     row: dict[str, Any] = {"name": variant, "available": True, "attention": engine.backend.name,
                            "decode": stats.decode_path, "graph_steps": stats.num_graph_steps,
-                           "overrides": VARIANTS[variant], "counters": stats.attention_counters,
+                           "overrides": variant_overrides(variant), "counters": stats.attention_counters,
+                           "kv_cache_dtype": stats.kv_cache_dtype,
                            # Must stay 0: a hit would skip prefill and shrink TTFT.
                            "prefix_cache_hits": engine.block_manager.prefix_cache_hits,
                            "kv_cache_tokens": engine.capacity_tokens}
@@ -228,15 +239,21 @@ def _summarise_run(timings: list[RequestTiming], wall: float) -> dict[str, Any]:
 
 
 def add_ratios(rows: list[dict[str, Any]], mode: str) -> None:
-    """Speed-up over `standard` measured in the same run: >1 means faster."""
-    base = next((r for r in rows if r["name"] == BASELINE and r["available"]), None)
+    """Speed-up over `standard` measured in the same run (>1 means faster); rows with a KV cache
+    dtype also over the same variant on the model-dtype cache."""
+    available = {r["name"]: r for r in rows if r["available"]}
     for row in rows:
-        if not row["available"] or base is None:
-            row["speedup_vs_standard"] = None
-        elif mode == "latency":
-            row["speedup_vs_standard"] = (base["tpot_ms"] / row["tpot_ms"]) if row["tpot_ms"] else None
-        else:
-            row["speedup_vs_standard"] = row["tok_s"] / base["tok_s"]
+        row["speedup_vs_standard"] = _speedup(available.get(BASELINE), row, mode)
+        if "+" in row["name"]:
+            row["speedup_vs_auto_kv"] = _speedup(available.get(row["name"].partition("+")[0]), row, mode)
+
+
+def _speedup(base: dict[str, Any] | None, row: dict[str, Any], mode: str) -> float | None:
+    if base is None or not row["available"]:
+        return None
+    if mode == "latency":
+        return (base["tpot_ms"] / row["tpot_ms"]) if row["tpot_ms"] and base["tpot_ms"] else None
+    return row["tok_s"] / base["tok_s"]
 
 
 def _cpu_name() -> str:
@@ -301,6 +318,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | unavailable: {r['reason']} |")
             continue
         speed = _fmt(r["speedup_vs_standard"], ".2f") + ("x" if r["speedup_vs_standard"] else "")
+        if r.get("speedup_vs_auto_kv"):
+            speed += f" ({r['speedup_vs_auto_kv']:.2f}x vs {r['name'].partition('+')[0]})"
         spread = "-" if not r.get("tpot_ms_range") else "{:.2f}-{:.2f}".format(*r["tpot_ms_range"])
         cells = ([_fmt(r["tpot_ms"], ".2f"), spread, speed, _fmt(r["ttft_ms"], ".1f"), _fmt(r["total_ms"], ".1f"),
                   str(r["tokens"])] if latency else
@@ -320,9 +339,11 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _variant_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v.partition("+")[0] not in VARIANTS
+               or v.partition("+")[2] not in ("", *KV_CACHE_DTYPES)]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}, "
+                                         f"each optionally +{'|'.join(KV_CACHE_DTYPES)} (the KV cache dtype)")
     return names
 
 
@@ -333,7 +354,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int, max_toke
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override applied to every variant, e.g. --set backend.block_size=32")
     p.add_argument("--variants", type=_variant_list, default=["standard", "flash"],
-                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: standard,flash)")
+                   help=f"comma-separated, from {', '.join(VARIANTS)}, each optionally +fp8_e4m3 / +fp8_e5m2 "
+                        "for an FP8 KV cache (default: standard,flash)")
     p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="generated tokens per request (ignore_eos)")
     p.add_argument("--repeat", type=int, default=3, help="measured runs per variant; the median is reported")

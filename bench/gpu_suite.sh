@@ -3,7 +3,9 @@
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
 # 2 minutes) is bench/ffd_floor.py.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8]
+# "fp8" (about 9 minutes): FP8 KV pages, kernels against the float32 oracle and timed, then the
+# end-to-end rows over bf16 and FP8 pages side by side.
 set -u
 OUT=${1:-bench/results/gpu_suite}
 PART=${2:-all}
@@ -35,4 +37,14 @@ if [ "$PART" = e2e ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = floor ] || [ "$PART" = all ]; then   # about 90 s: the FFD data flow with no arithmetic
     step 200 ffd_floor python bench/ffd_floor.py --budget-s 150 --out "$OUT"
+fi
+if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
+    M="--model synthetic:llama-3.1-8b --no-plot"
+    step 70 fp8_tests python -m pytest -q tests/kernels/test_kv_fp8.py
+    step 100 fp8_kernels python bench/kv_fp8.py --check --bench --out "$OUT"
+    step 200 fp8_latency_100k python -m bench.e2e latency $M --set backend.max_num_seqs=4 --context-len 100000 \
+        --max-tokens 96 --repeat 2 --variants flash,flash+fp8_e4m3,flash+fp8_e5m2 --out "$OUT/fp8_latency_100k.json"
+    step 200 fp8_concurrency_32x16k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
+        --set backend.max_num_batched_tokens=16384 --context-len 16384 --max-tokens 64 --repeat 1 \
+        --warmup 0 --num-requests 32 --variants flash,flash+fp8_e4m3,flash+fp8_e5m2 --out "$OUT/fp8_concurrency_32x16k.json"
 fi

@@ -100,6 +100,7 @@ class FlashDecodingConfig(_Section):
 
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
 CpuAttention = Literal["fused", "reference"]
+KvCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
 
 
 class BackendConfig(_Section):
@@ -121,6 +122,9 @@ class BackendConfig(_Section):
                            "weights where the checkpoint is already 4-bit; int4 = bf16 plus int4 for decode")
     cpu_attention: CpuAttention = Field(
         "fused", description="CPU attention: fused = torch SDPA / one-pass decode; reference = the paged oracle")
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto", description="KV pages: auto = the model dtype; fp8_e4m3 / fp8_e5m2 = one byte per value, scaled "
+                            "per (layer, KV head) (the fnuz variants on AMD)")
 
     @field_validator("tensor_parallel_size")
     @classmethod

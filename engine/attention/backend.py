@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.kv_scales import KVScales
 from engine.attention.metadata import AttentionMetadata, AttentionPlan, StepShape
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class AttentionBackend(abc.ABC):
     name: str            # what runs, shown at startup and in /metrics
     variant: str         # the algorithm family: "reference", "standard", "flash", "fdpp", "ffd", "auto"
     fuse_rope_store: bool = False
+    kv_scales: KVScales | None = None   # FP8 pages' per-(layer, KV head) scales, set by `allocate`
 
     # ----- cache (engine and model runner, at startup) -----------------------------------------
     def page_size(self, configured: int) -> int:
@@ -48,7 +50,8 @@ class AttentionBackend(abc.ABC):
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # noqa: B027
         """The allocated K [layers, key pages, BS, Hkv, D] and V [layers, pages, BS, Hkv, D] pages of
-        `spec`, whose query heads and dtypes the step plans are made for (a no-op by default)."""
+        `spec`, whose query heads and dtypes the step plans are made for (a no-op by default; a
+        backend that reads FP8 pages sets `kv_scales` here)."""
 
     def release(self, pages: list[int]) -> None:  # noqa: B027 - a backend without page state ignores it
         """The block manager freed these pages."""

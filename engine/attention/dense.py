@@ -20,6 +20,9 @@ result is the same softmax); "fdpp" keeps its unified-max reference, whose arith
 Per step, `plan` makes one decode plan (`kernels.plan_decode`: split count, workspaces) for a
 decode-only step on the GPU; each layer's `decode` runs it (`kernels.run_decode`).
 
+FP8 pages (`[backend] kv_cache_dtype`) hold codes with a K and a V scale per (layer, KV head)
+(`engine.attention.kv_scales`), which every store, decode and prefill of the layer is given.
+
 FD++ range checks go into the step's `counters` (summed by the engine, exported by /metrics):
 `fdpp_rows_checked` (a float) and `fdpp_fallback_rows`. On the GPU the latter is a 0-d device
 tensor the kernels add to atomically, zeroed at layer 0 of each step: reading it never syncs
@@ -30,18 +33,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
+from engine.attention.kv_scales import KVScales, kv_scales
 from engine.attention.metadata import AttentionPlan, StepShape
 from engine.attention.phi_file import load_phi
 from engine.config import CpuAttention, FlashDecodingConfig
 from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, store_kv
 from kernels.attention import cpu, reference
 from kernels.attention.decode_host import check_shapes
+from kernels.attention.kv_quant import is_fp8
 from kernels.vendor import vendor_configs
 
 if TYPE_CHECKING:
@@ -57,6 +62,13 @@ PhiFor = Callable[[int], "float | None"]   # layer_idx -> φ, or None to estimat
 TITLES = {"standard": "standard attention (one pass, no split)",
           "flash": "Flash-Decoding split-KV + log-sum-exp merge",
           "fdpp": "FlashDecoding++ async softmax (unified max)"}
+
+
+class LayerScales(TypedDict, total=False):
+    """The keyword arguments that give a kernel one layer's FP8 scales (empty for other pages)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,8 @@ class DenseBackend(AttentionBackend):
         self.phi_for: PhiFor = lambda layer_idx: None
         self.estimate_phi = True                 # fdpp: every layer's φ is None (the plans' ESTIMATE)
         self.spec: KVCacheSpec | None = None     # the cache the plans are made for (`allocate`)
+        self.scale_file = calibration_path or fd.calibration_file
+        self.kv_scales: KVScales | None = None   # FP8 pages' scales (`allocate`)
         phi_text = ""
         if self.variant == "fdpp":
             self.phi_for, phi_text = phi_source(fd, calibration_path)
@@ -147,12 +161,26 @@ class DenseBackend(AttentionBackend):
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
         prefill_text = "torch SDPA (cpu)" if self.cpu_fused else where
+        self._where = where
         store_text = f"{where}, fused with RoPE" if on_gpu else ("torch index copy (cpu)" if self.cpu_fused else where)
+        self._texts = (decode_text, prefill_text)
         self.name = f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
         self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
+        self.kv_scales = None
+        if is_fp8(spec.kv_dtype):
+            self.kv_scales = kv_scales(spec.kv_dtype, spec.num_layers, spec.num_kv_heads, v_cache.device,
+                                       self.scale_file)
+            # the layer stores FP8 codes apart from RoPE (the fused write stores the model dtype)
+            self.name = f"{self._texts[0]}; prefill: {self._texts[1]}; kv store: {self._where}, FP8 codes"
+
+    def _scales(self, layer_idx: int) -> LayerScales:
+        """The layer's k_scale / v_scale for FP8 pages; nothing for others."""
+        if self.kv_scales is None:
+            return {}
+        return {"k_scale": self.kv_scales.k[layer_idx], "v_scale": self.kv_scales.v[layer_idx]}
 
     def plan(self, shape: StepShape) -> DensePlan:
         """One decode plan for every layer of a decode-only step on the Triton path."""
@@ -161,7 +189,7 @@ class DenseBackend(AttentionBackend):
         spec = self._spec()
         return DensePlan(plan_decode(shape.num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                      spec.block_size, shape.table_width, dtype=spec.dtype, device=self.device,
-                                     variant=self.variant, kv_dtype=spec.dtype, num_splits=self.num_splits or None,
+                                     variant=self.variant, kv_dtype=spec.kv_dtype, num_splits=self.num_splits or None,
                                      config=self.configs.decode, estimate_phi=self.estimate_phi,
                                      fallback=self.fallback))
 
@@ -172,12 +200,13 @@ class DenseBackend(AttentionBackend):
 
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        scales = self._scales(layer_idx)
         if self.triton:
-            store_kv(key, value, k_cache, v_cache, slot_mapping)
+            store_kv(key, value, k_cache, v_cache, slot_mapping, **scales)
         elif self.cpu_fused:
-            cpu.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
+            cpu.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, **scales)
         else:
-            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+            reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping, **scales)
 
     def decode(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
@@ -190,14 +219,14 @@ class DenseBackend(AttentionBackend):
                 in_place = seq_lens.numel() > 0 and cpu.reads_in_place(seq_lens.numel(), int(seq_lens.max()))
                 self.page_runs = cpu.page_runs(metadata.block_tables, seq_lens, k_cache.shape[1]) if in_place else []
             return cpu.decode_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                            scale=scale, runs=self.page_runs)
+                                            scale=scale, runs=self.page_runs, **self._scales(layer_idx))
         if self.variant == "standard":
             return reference.decode_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                                  scale=scale)
-        extra_ref: dict[str, Any] = {}
+                                                  scale=scale, **self._scales(layer_idx))
+        extra_ref: dict[str, Any] = dict(self._scales(layer_idx))
         if self.variant == "fdpp":
             self.step_stats.zero_()
-            extra_ref = {"phi": self.phi_for(layer_idx), "fallback": self.fallback, "stats": self.step_stats}
+            extra_ref.update(phi=self.phi_for(layer_idx), fallback=self.fallback, stats=self.step_stats)
         out = reference.decode_reference(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
                                          variant=self.variant, num_splits=self.num_splits or CPU_MAX_SPLITS,
                                          **extra_ref)
@@ -226,18 +255,19 @@ class DenseBackend(AttentionBackend):
             counters["fdpp_rows_checked"] = counters.get("fdpp_rows_checked", 0.0) + q.shape[0] * q.shape[1]
             counters["fdpp_fallback_rows"] = self.step_stats[0]
         return run_decode(plan.decode, q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale,
-                          phi=phi, stats=stats)
+                          phi=phi, stats=stats, **self._scales(layer_idx))
 
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
         if self.triton:
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                     metadata.query_start_loc, scale=scale, config=self.configs.prefill)
+                                     metadata.query_start_loc, scale=scale, config=self.configs.prefill,
+                                     **self._scales(layer_idx))
         if self.cpu_fused:
             return cpu.prefill_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                             metadata.query_start_loc, scale=scale)
+                                             metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                               metadata.query_start_loc, scale=scale)
+                                               metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
 
 
 def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -245,6 +275,7 @@ def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor
     """What a decode plan assumes of every layer's tensors, checked once per step (at layer 0): the
     layouts the kernels take, and the dtypes the plan was made for."""
     check_shapes(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens)
-    if q.dtype != spec.dtype or k_cache.dtype != spec.dtype:
-        raise ValueError(f"decode: q {q.dtype} / cache {k_cache.dtype}, but the plan was made for {spec.dtype}")
+    if q.dtype != spec.dtype or k_cache.dtype != spec.kv_dtype:
+        raise ValueError(f"decode: q {q.dtype} / cache {k_cache.dtype}, but the plan was made for "
+                         f"{spec.dtype} / {spec.kv_dtype}")
 

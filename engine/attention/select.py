@@ -14,7 +14,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.dense import DenseBackend
 from engine.attention.ffd import NEVER, FFDBackend, check_ffd_device, crossover_for
-from engine.config import BackendConfig, CpuAttention, FlashDecodingConfig
+from engine.config import BackendConfig, CpuAttention, FlashDecodingConfig, KvCacheDtype
 from kernels.vendor import check_vendor
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,12 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
                            max_num_seqs: int = _LIMITS.max_num_seqs,
                            max_num_batched_tokens: int = _LIMITS.max_num_batched_tokens,
                            calibration_path: str | None = None, crossover: int | None = None,
-                           cpu_attention: CpuAttention = _LIMITS.cpu_attention) -> AttentionBackend:
+                           cpu_attention: CpuAttention = _LIMITS.cpu_attention,
+                           kv_cache_dtype: KvCacheDtype = _LIMITS.kv_cache_dtype) -> AttentionBackend:
     """Build the backend for `fd` on `device` with `[backend] gpu_vendor`; `max_num_seqs` and
     `max_num_batched_tokens` size FFD's pool of exact K pages; `crossover` overrides the stored
-    FFD crossover (tests); `cpu_attention` picks the CPU's dense attention (`DenseBackend`).
+    FFD crossover (tests); `cpu_attention` picks the CPU's dense attention (`DenseBackend`);
+    `kv_cache_dtype` other than "auto" (FP8 pages) is read by the dense kernels only.
 
     Raises ValueError for a vendor the hardware contradicts, a vendor that contradicts the
     device, a kernel this GPU cannot run (FFD on AMD), an "auto" crossover measured nowhere, or
@@ -41,6 +43,10 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
     if not (fd.enable and fd.kernel in ("ffd", "auto")):
         return DenseBackend(fd, device, vendor, calibration_path=calibration_path, cpu_attention=cpu_attention)
     check_ffd_device(device, vendor, fd.kernel)
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"[backend] kv_cache_dtype = {kv_cache_dtype!r} is read by the dense kernels only; "
+                         f"[flashdecoding] kernel = {fd.kernel!r} (FFD) keeps its own 2-bit key format: set "
+                         "kv_cache_dtype = \"auto\" or kernel = \"flash\"")
     min_len, dense = 0, None
     if fd.kernel == "auto":
         min_len = crossover if crossover is not None else crossover_for(device, fd.ffd_crossover_tokens)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache_spec import KVCacheSpec
 from kernels.attention import reference
+from kernels.attention.kv_quant import is_fp8
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
@@ -22,6 +24,10 @@ class ReferenceBackend(AttentionBackend):
     def __init__(self, name: str = "reference", *, fuse_rope_store: bool = False) -> None:
         self.name = name
         self.fuse_rope_store = fuse_rope_store
+
+    def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        if is_fp8(spec.kv_dtype):   # FP8 pages on the CPU: DenseBackend with [backend] cpu_attention
+            raise ValueError(f"{type(self).__name__} reads pages of the model dtype, not {spec.kv_dtype}")
 
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from engine.request.outputs import EngineStats, RequestOutput
 from engine.request.sampling_params import SamplingParams, SamplingParamsError
 from engine.request.sequence import Sequence
 from engine.text.tokenizer import Tokenizer
-from engine.worker.device import select_device, select_dtype
+from engine.worker.device import select_device, select_dtype, select_kv_dtype
 from engine.worker.model_runner import ModelRunner, PromptHidden
 from engine.worker.sampler import Sampler
 
@@ -78,9 +78,11 @@ class LLMEngine:
         if block_size != config.backend.block_size:
             logger.info("kernel = %r: KV pages of %d tokens (backend.block_size = %d applies to the dense kernels)",
                         config.flashdecoding.kernel, block_size, config.backend.block_size)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend)
+        self.kv_dtype = select_kv_dtype(config.backend.kv_cache_dtype, self.dtype, self.vendor)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend, self.kv_dtype)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache_text = kv_cache_text(self.kv_dtype, self.backend)
         self.graphs_text = self._capture_graphs()
         self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
                                                else "; synchronous scheduling")
@@ -96,9 +98,10 @@ class LLMEngine:
         self.async_scheduling = config.backend.async_scheduling
         self.in_flight: InFlightStep | None = None   # a decode step launched, not yet read back
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
-        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens; attention: %s; "
+        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens, %s; attention: %s; "
                     "decode: %s", self.served_model_name, self.model_dir, self.device, self.dtype,
-                    self.max_context_len, num_blocks, block_size, self.backend.name, self.graphs_text)
+                    self.max_context_len, num_blocks, block_size, self.kv_cache_text, self.backend.name,
+                    self.graphs_text)
 
     # ----- construction helpers -------------------------------------------------------------
     def _resolve_context_len(self, hf_config: PretrainedConfig) -> int:
@@ -132,7 +135,7 @@ class LLMEngine:
         return make_attention_backend(self.config.flashdecoding, self.device, self.vendor,
                                       max_num_seqs=limits.max_num_seqs,
                                       max_num_batched_tokens=limits.max_num_batched_tokens,
-                                      cpu_attention=limits.cpu_attention)
+                                      cpu_attention=limits.cpu_attention, kv_cache_dtype=limits.kv_cache_dtype)
 
     def _capture_graphs(self) -> str:
         backend = self.config.backend
@@ -333,9 +336,15 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
             attention_counters={k: float(v) for k, v in self.attention_counters.items()},
-            decode_path=self.decode_path,
+            decode_path=self.decode_path, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             num_graph_steps=self.runner.num_graph_steps,
             internal_errors=dict(self.output_processor.internal_errors))
+
+
+def kv_cache_text(kv_dtype: torch.dtype, backend: AttentionBackend) -> str:
+    """The pages' dtype, and for FP8 pages where their scales came from (startup line)."""
+    name = str(kv_dtype).removeprefix("torch.")
+    return f"{name} ({backend.kv_scales.source})" if backend.kv_scales is not None else name
 
 
 def _default_served_name(config: FdserveConfig, model_dir: Path) -> str:

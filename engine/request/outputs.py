@@ -49,6 +49,7 @@ class EngineStats:
     decode_path: str = ""          # CUDA graphs or eager; asynchronous or synchronous scheduling
     num_graph_steps: int = 0       # decode steps replayed from a CUDA graph
     internal_errors: dict[str, int] = field(default_factory=dict)   # requests failed in the engine, by stage
+    kv_cache_dtype: str = ""       # the KV pages' dtype (bfloat16, float8_e4m3fn, ...)
 
     @property
     def kv_usage(self) -> float:

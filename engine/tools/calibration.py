@@ -5,6 +5,9 @@ satisfies LO <= (M - φ)·log2(e) <= HI (`kernels.attention.reference.safe_windo
 the row maxima of the scaled scores q·k·scale (every prefill query row and every decode row is
 one sample), and put φ in the middle of the window that the [p0.01 %, p99.99 %] range of those
 maxima must fit in. The file also says how many recorded rows would have fallen outside.
+
+It also records, per layer and KV head, the largest |K| and |V| written to the cache (`kv_amax`),
+from which FP8 pages take their scales (`engine.attention.kv_scales`).
 """
 from __future__ import annotations
 
@@ -25,11 +28,24 @@ LOW_Q, HIGH_Q = 1e-4, 1 - 1e-4
 
 
 class RowMaxRecorder(ReferenceBackend):
-    """The torch reference backend, also recording every row's max score per layer."""
+    """The torch reference backend, also recording every row's max score and every KV head's
+    largest |K| and |V| per layer."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__("calibration: torch reference + row-max recorder")
         self.samples: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.k_amax: list[torch.Tensor | None] = [None] * num_layers
+        self.v_amax: list[torch.Tensor | None] = [None] * num_layers
+
+    def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        rows = slot_mapping >= 0
+        for amax, x in ((self.k_amax, key), (self.v_amax, value)):
+            head_max = x[rows].detach().float().abs().amax(dim=(0, 2)).cpu() if bool(rows.any()) else None
+            if head_max is not None:
+                seen = amax[layer_idx]
+                amax[layer_idx] = head_max if seen is None else torch.maximum(seen, head_max)
+        super().store(layer_idx, key, value, k_cache, v_cache, slot_mapping)
 
     def _record(self, layer_idx: int, row_max: torch.Tensor) -> None:
         self.samples[layer_idx].append(row_max.detach().float().flatten().cpu())
@@ -71,6 +87,12 @@ def choose_phi(row_max: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, float]
             "fits_window": (hi_q - lo_q) * reference.LOG2E <= hi_win - lo_win}
 
 
+def _per_head(amax: list[torch.Tensor | None]) -> list[list[float]]:
+    if any(layer is None for layer in amax):
+        raise ValueError("a layer stored no K/V while calibrating: run_forward_fn ran no tokens through it")
+    return [[float(x) for x in layer] for layer in amax if layer is not None]
+
+
 def calibrate(model: torch.nn.Module, run_forward_fn: Callable[[AttentionBackend], None], *,
               kv_dtype: torch.dtype = torch.bfloat16, output_path: str | Path | None = None,
               model_name: str = "") -> dict[str, Any]:
@@ -93,6 +115,7 @@ def calibrate(model: torch.nn.Module, run_forward_fn: Callable[[AttentionBackend
         "version": FORMAT_VERSION, "model": model_name, "kv_dtype": str(kv_dtype).replace("torch.", ""),
         "units": "scaled scores q·k·scale, natural log; the kernels work in log2 = ·log2(e)",
         "window_log2": [lo_win, hi_win], "phi": [layer["phi"] for layer in per_layer], "layers": per_layer,
+        "kv_amax": {"k": _per_head(recorder.k_amax), "v": _per_head(recorder.v_amax)},
     }
     if output_path is not None:
         Path(output_path).write_text(json.dumps(result, indent=1))

@@ -29,8 +29,11 @@ def default_texts() -> list[str]:
 
 def run_calibration(config: FdserveConfig, output_path: Path, *, texts: list[str] | None = None,
                     prompt_tokens: int = 1024, decode_tokens: int = 16) -> dict[str, Any]:
-    """Prefill `prompt_tokens` of each text and decode `decode_tokens` more; write the φ file."""
-    engine = LLMEngine(config)
+    """Prefill `prompt_tokens` of each text and decode `decode_tokens` more; write the φ file (with
+    the K/V maxima that FP8 pages take their scales from)."""
+    # The recorder reads pages of the model dtype: calibrate at full precision whatever is served.
+    backend = config.backend.model_copy(update={"kv_cache_dtype": "auto"})
+    engine = LLMEngine(config.model_copy(update={"backend": backend}))
     texts = texts or default_texts()
     ids = itertools.count()
     limit = min(prompt_tokens, engine.max_context_len - decode_tokens - 1)

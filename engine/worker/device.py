@@ -32,3 +32,16 @@ def select_dtype(requested: str, device: torch.device, model_dtype: torch.dtype 
             return probe_cpu_dtype()
         return torch.bfloat16 if cpu_weight_dtype == "int4" else getattr(torch, cpu_weight_dtype)
     return torch.float16 if model_dtype == torch.float16 else torch.bfloat16
+
+
+# `[backend] kv_cache_dtype` -> the pages' dtype: OCP FP8 on NVIDIA and the CPU, the fnuz
+# variants (no negative zero, bias one higher) that MI300-class GPUs compute in on AMD.
+_FP8 = {("fp8_e4m3", False): torch.float8_e4m3fn, ("fp8_e5m2", False): torch.float8_e5m2,
+        ("fp8_e4m3", True): torch.float8_e4m3fnuz, ("fp8_e5m2", True): torch.float8_e5m2fnuz}
+
+
+def select_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, vendor: str) -> torch.dtype:
+    """The KV pages' dtype: the model's `dtype` for "auto", else the FP8 format for `vendor`."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return _FP8[(kv_cache_dtype, vendor == "amd")]

@@ -62,7 +62,7 @@ class ExecuteResult:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -72,7 +72,7 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.spec = KVCacheSpec(num_layers=len(self.attention_layers), num_heads=first.num_heads,
                                 num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, block_size=block_size,
-                                dtype=dtype)
+                                dtype=dtype, cache_dtype=kv_dtype)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -87,8 +87,8 @@ class ModelRunner:
         s = self.spec
         key_pages = self.backend.key_cache_pages(num_blocks)
         shape = (s.block_size, s.num_kv_heads, s.head_dim)
-        self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.dtype, device=self.device)
-        self.v_cache = torch.zeros(s.num_layers, num_blocks, *shape, dtype=s.dtype, device=self.device)
+        self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(s.num_layers, num_blocks, *shape, dtype=s.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             if layer.layer_idx != i:   # backends index their per-layer state by layer_idx
                 raise ValueError(f"attention layer {i} of the model says it is layer {layer.layer_idx}")

@@ -5,7 +5,8 @@ oracle). Prefill runs `scaled_dot_product_attention` (CPU flash kernels) over ea
 gathered K/V; decode is one exact pass: short batches gathered once, long sequences read in place
 (a run of consecutive pages in the NHD layout is a strided [tokens, Hkv, D] view). In prefill a
 group's query heads see their KV head expanded, because SDPA's `enable_gqa` on the CPU is several
-times slower than the expanded call.
+times slower than the expanded call. FP8 pages (`kernels.attention.kv_quant`) are dequantized
+as they are read: a gather, or each run of pages converted once per layer.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.kv_quant import dequantize_kv, store_rows
 from kernels.attention.reference import gather_kv_ref, store_kv_ref
 
 
@@ -28,23 +30,24 @@ def _heads_first(kv: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     """`reference.store_kv_ref` without its padding mask when no slot is padding (-1), as on the
     CPU's eager steps: two index copies instead of a mask, its nonzero and two masked gathers."""
     if slot_mapping.numel() == 0:
         return
     if int(slot_mapping.min()) < 0:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
     slots = slot_mapping.long()
-    block_size = k_cache.shape[1]
-    k_cache.view(k_cache.shape[0] * block_size, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(v_cache.shape[0] * block_size, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    store_rows(k_cache, slots, key, k_scale)
+    store_rows(v_cache, slots, value, v_scale)
 
 
 def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, *, scale: float) -> torch.Tensor:
+                          query_start_loc: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.prefill_attention_ref` through SDPA: q[T, Hq, D] of each sequence's new tokens
     (the last q_len of its seq_lens[b] tokens, whose K/V are in the pages) -> out[T, Hq, D]."""
     out = torch.empty_like(q)
@@ -55,8 +58,8 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _heads_first(gather_kv_ref(k_cache, block_tables[b], context_len).to(q.dtype), group)
-        v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len).to(q.dtype), group)
+        k = _heads_first(gather_kv_ref(k_cache, block_tables[b], context_len, k_scale, q.dtype), group)
+        v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len, v_scale, q.dtype), group)
         qh = q[q_start:q_end].transpose(0, 1)[None]     # 4-D: SDPA's CPU flash kernel takes no 3-D input
         if q_len == context_len:
             o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
@@ -114,7 +117,8 @@ def reads_in_place(batch: int, max_len: int) -> bool:
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                         runs: list[list[PageRun]] | None = None) -> torch.Tensor:
+                         runs: list[list[PageRun]] | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.decode_attention_ref` without per-page Python: q[B, Hq, D] -> [B, Hq, D].
 
     A batch whose sequences are all short is gathered and padded once (two batched matmuls);
@@ -126,7 +130,7 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if max_len == 0:
         return torch.zeros_like(q)
     if not reads_in_place(batch, max_len):
-        return _decode_gathered(q, k_cache, v_cache, block_tables, seq_lens, scale, max_len)
+        return _decode_gathered(q, k_cache, v_cache, block_tables, seq_lens, scale, max_len, k_scale, v_scale)
     if runs is None:
         runs = page_runs(block_tables, seq_lens, k_cache.shape[1])
     out = torch.empty_like(q)
@@ -141,6 +145,10 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         else:
             keys = [_run_view(k_cache, run) for run in seq_runs]
             values = [_run_view(v_cache, run) for run in seq_runs]
+        if k_scale is not None:   # FP8 codes: converted once, the scale folded in
+            keys = [dequantize_kv(k, k_scale) for k in keys]
+        if v_scale is not None:
+            values = [dequantize_kv(v, v_scale) for v in values]
         out[b] = _attend_one(q[b], keys, values, scale)
     return out
 
@@ -181,7 +189,8 @@ def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
 
 
 def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, max_len: int, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None) -> torch.Tensor:
     """The batch's pages gathered into one padded [B, Hkv, padded, D] per cache; padding masked."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -191,11 +200,13 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pages = block_tables[:, :num_pages].long()
     group = num_heads // num_kv_heads
 
-    def heads_major(cache: torch.Tensor) -> torch.Tensor:   # [B, Hkv, padded, D] in `compute`
+    def heads_major(cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:   # [B, Hkv, padded, D]
         gathered = cache[pages].view(batch, padded, num_kv_heads, head_dim)
+        if kv_scale is not None:
+            gathered = dequantize_kv(gathered, kv_scale, compute)
         return gathered.permute(0, 2, 1, 3).to(compute, memory_format=torch.contiguous_format)
 
-    k, v = heads_major(k_cache), heads_major(v_cache)
+    k, v = heads_major(k_cache, k_scale), heads_major(v_cache, v_scale)
     visible = torch.arange(padded, device=q.device)[None, :] < seq_lens[:, None].to(q.device)   # [B, padded]
     v.masked_fill_(~visible[:, None, :, None], 0.0)     # stale pages may hold NaN, and 0 * NaN = NaN
     qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)

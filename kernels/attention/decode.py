@@ -43,16 +43,18 @@ def plan_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, bl
 
 def run_decode(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, out: torch.Tensor | None = None,
-               phi: float | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+               phi: float | None = None, stats: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's decode q[B,Hq,D] over paged KV -> out[B,Hq,D] under `plan` (Triton). `phi` and
-    `stats` are fdpp's (`run_fdpp_decode`); a standard / flash plan takes neither. Allocates nothing
-    but `out` when it is None."""
+    `stats` are fdpp's (`run_fdpp_decode`); a standard / flash plan takes neither. FP8 pages come with
+    their per-head `k_scale` / `v_scale`. Allocates nothing but `out` when it is None."""
     if isinstance(plan, FdppDecodePlan):
         return run_fdpp_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, phi=phi,
-                               stats=stats, out=out)
+                               stats=stats, out=out, k_scale=k_scale, v_scale=v_scale)
     if phi is not None or stats is not None:
         raise ValueError("phi and stats apply to an fdpp plan only")
-    return run_flash_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, out=out)
+    return run_flash_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, out=out,
+                            k_scale=k_scale, v_scale=v_scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

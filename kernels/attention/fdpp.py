@@ -36,8 +36,9 @@ from kernels.attention.decode_host import (
     resolve_splits,
     rows_per_tile,
 )
+from kernels.attention.kv_quant import check_scales, is_fp8
 from kernels.attention.reference import safe_window
-from kernels.attention.splitkv import LOG2E, attend, load_q_rows, split_plan, store_rows
+from kernels.attention.splitkv import LOG2E, attend, fp8_queries, head_scales, load_q_rows, split_plan, store_rows
 from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting
 
 
@@ -55,14 +56,14 @@ def _estimate_phi(q, K, bt_row, L, hk, stride_kb, stride_kt, stride_kh, scale_lo
     k = tl.load(K + tok[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    s = tl.where(ok[None, :], tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2, float("-inf"))
     phi = tl.max(s, 1)
     return tl.where(phi > float("-inf"), phi, 0.0)     # L == 0: nothing to estimate
 
 
 @triton.jit
 def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
-              stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
+              stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2, v_scale,
               GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
               UPCAST: tl.constexpr, FALLBACK: tl.constexpr, PAGE_WINDOW: tl.constexpr):
@@ -80,18 +81,19 @@ def _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win,
                                    phi, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
                                    PAGE_WINDOW)
             out = tl.where(bad[:, None], acc_x / tl.where(l_x > 0, l_x, 1.0)[:, None], out)
-    store_rows(OUT, out, b, hk, stride_ob, stride_oh, GROUP, BLOCK_H, D)
+    store_rows(OUT, out * v_scale, b, hk, stride_ob, stride_oh, GROUP, BLOCK_H, D)
 
 
 @triton.jit
-def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
+def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS, K_SCALE, V_SCALE,
                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                  stride_ob, stride_oh, scale_log2, phi_log2, lo_win, hi_win, max_splits, min_chunk,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
                  PAGE_WINDOW: tl.constexpr, ESTIMATE: tl.constexpr,
-                 EST_SINK: tl.constexpr, EST_N: tl.constexpr, FALLBACK: tl.constexpr):
+                 EST_SINK: tl.constexpr, EST_N: tl.constexpr, FALLBACK: tl.constexpr,
+                 HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,6 +104,11 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
         hi = tl.minimum(lo + chunk, L)
         q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
+        k_scale, v_scale = head_scales(K_SCALE, V_SCALE, hk, HAS_SCALE)
+        scale_log2 = scale_log2 * k_scale
+        if HAS_SCALE:
+            q = fp8_queries(q, scale_log2, Q.dtype.element_ty, UPCAST)
+            scale_log2 = 1.0
         if ESTIMATE:
             phi = _estimate_phi(q, K, bt_row, L, hk, stride_kb, stride_kt, stride_kh, scale_log2,
                                 PAGE, D, EST_SINK, EST_N, UPCAST)
@@ -129,11 +136,11 @@ def _fdpp_kernel(Q, K, V, BT, SEQ, OUT, WS_ACC, WS_L, WS_M, WS_COUNT, STATS,
                 tl.store(WS_M + ws, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
                 tl.store(count, 0)
                 _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
-                          stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
+                          stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2, v_scale,
                           GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
         else:
             _finalize(OUT, STATS, q, K, V, bt_row, b, hk, L, acc, denom, m, phi, lo_win, hi_win,
-                      stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2,
+                      stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, scale_log2, v_scale,
                       GROUP, BLOCK_H, D, PAGE, BLOCK_N, NUM_STAGES, PREFETCH, UPCAST, FALLBACK, PAGE_WINDOW)
 
 
@@ -179,7 +186,7 @@ class FdppDecodePlan:
     estimate_phi: bool               # ESTIMATE: φ from the sink + window tokens; else every run passes phi
     max_splits: int
     min_chunk: int
-    lo_win: float                    # the safe window of `row max - φ` for kv_dtype
+    lo_win: float                    # the safe window of `row max - φ` for the P·V dtype
     hi_win: float
     consts: dict[str, Any]           # the kernel's constexprs
     launch: dict[str, Any]           # its launch options
@@ -205,7 +212,7 @@ def plan_fdpp_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: in
     cfg = config or configs_for(device).decode
     check_launch_options(cfg.extra, device)
     est_n = phi_sink + phi_window
-    lo_win, hi_win = safe_window(kv_dtype)
+    lo_win, hi_win = safe_window(dtype if is_fp8(kv_dtype) else kv_dtype)   # FP8 pages: P·V in q's dtype
     if batch == 0:
         return FdppDecodePlan(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, estimate_phi,
                               1, 0, lo_win, hi_win, {}, {}, (), None)
@@ -217,14 +224,15 @@ def plan_fdpp_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: in
     consts = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=rows_per_tile(group),
                   D=head_dim, PAGE=block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   PREFETCH=cfg.prefetch, UPCAST=interpreting(), ESTIMATE=estimate_phi, EST_SINK=phi_sink,
-                  EST_N=est_n, FALLBACK=bool(fallback), PAGE_WINDOW=cfg.page_window)
+                  EST_N=est_n, FALLBACK=bool(fallback), PAGE_WINDOW=cfg.page_window, HAS_SCALE=is_fp8(kv_dtype))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def probe_args() -> tuple:
         q, kv, table, lens, stats = probe_tensors(device, dtype, kv_dtype, torch.int32, torch.int32, torch.int64)
         q_strides, kv_strides, bt_stride = contiguous_strides(batch, num_heads, num_kv_heads, head_dim, block_size,
                                                               max_blocks)
-        return (q, kv, kv, table, lens, q, *workspace, stats, *q_strides, *kv_strides, bt_stride, *q_strides,
+        return (q, kv, kv, table, lens, q, *workspace, stats, workspace[0], workspace[0], *q_strides, *kv_strides,
+                bt_stride, *q_strides,
                 LOG2E, 0.0, lo_win, hi_win, 2, min_chunk)
 
     max_splits = resolve_splits(num_splits, batch, num_kv_heads, device, cfg, _fdpp_kernel,
@@ -236,12 +244,16 @@ def plan_fdpp_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: in
 
 def run_fdpp_decode(plan: FdppDecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, phi: float | None = None,
-                    stats: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's decode under `plan`: out[B, Hq, D]. `phi` in scaled-score units (natural log): None
     exactly when the plan estimates φ. `stats` (int64, from `new_stats`) gains the number of rows outside
     the safe window; counting is graph-safe. The tensors must have the layouts `check_shapes` accepts
-    (checked once by the caller, not here) and the plan's shapes (checked here)."""
+    (checked once by the caller, not here) and the plan's shapes (checked here); FP8 pages come with
+    their per-head float32 `k_scale` / `v_scale` [Hkv]."""
     check_plan_shapes("fdpp decode", plan.shapes, q, k_cache)
+    if plan.consts.get("HAS_SCALE") and (k_scale is None or v_scale is None):
+        raise ValueError("fdpp decode: the plan is for FP8 pages, which need k_scale and v_scale")
     if (phi is None) != plan.estimate_phi:
         raise ValueError(f"this fdpp plan {'estimates' if plan.estimate_phi else 'takes'} φ; got phi={phi!r}")
     out = torch.empty_like(q) if out is None else out
@@ -250,6 +262,7 @@ def run_fdpp_decode(plan: FdppDecodePlan, q: torch.Tensor, k_cache: torch.Tensor
     stats = plan.scratch_stats if stats is None else stats
     _fdpp_kernel[(plan.batch, plan.num_kv_heads, plan.max_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, *plan.workspace, stats,
+        stats if k_scale is None else k_scale, stats if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         0.0 if phi is None else float(phi) * LOG2E, plan.lo_win, plan.hi_win, plan.max_splits, plan.min_chunk,
@@ -261,16 +274,19 @@ def fdpp_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                 num_splits: int | None = None, phi: float | None = None, fallback: bool = True,
                 stats: torch.Tensor | None = None, phi_sink: int = 4, phi_window: int = 28,
-                config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode with the unified-max softmax. `phi` in scaled-score units (natural log), None =
     estimate from `phi_sink` + `phi_window` tokens (sum a power of two >= 16). `stats` (int64,
     from `new_stats`) gains the number of rows outside the safe window; counting is graph-safe.
     Plans and runs.
     """
     batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    check_scales(k_cache, k_scale, "fdpp decode")
+    check_scales(v_cache, v_scale, "fdpp decode")
     plan = plan_fdpp_decode(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
                             dtype=q.dtype, device=q.device, kv_dtype=v_cache.dtype, num_splits=num_splits,
                             estimate_phi=phi is None, fallback=fallback, phi_sink=phi_sink, phi_window=phi_window,
                             config=config)
     return run_fdpp_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, phi=phi, stats=stats,
-                           out=out)
+                           out=out, k_scale=k_scale, v_scale=v_scale)

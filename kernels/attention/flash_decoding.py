@@ -25,18 +25,19 @@ from kernels.attention.decode_host import (
     resolve_splits,
     rows_per_tile,
 )
-from kernels.attention.splitkv import LOG2E, attend, load_q_rows, split_plan, store_rows
+from kernels.attention.kv_quant import check_scales, is_fp8
+from kernels.attention.splitkv import LOG2E, attend, fp8_queries, head_scales, load_q_rows, split_plan, store_rows
 from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
+def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML, K_SCALE, V_SCALE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, scale_log2, max_splits, min_chunk,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-                  PAGE_WINDOW: tl.constexpr):
+                  PAGE_WINDOW: tl.constexpr, HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,9 +48,15 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML,
         hi = tl.minimum(lo + chunk, L)
         q = load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP, BLOCK_H, D, UPCAST)
         bt_row = BT + b.to(tl.int64) * stride_bt
-        m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2,
-                           scale_log2, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
+        k_scale, v_scale = head_scales(K_SCALE, V_SCALE, hk, HAS_SCALE)
+        score_scale = scale_log2 * k_scale
+        if HAS_SCALE:
+            q = fp8_queries(q, score_scale, tl.float16, UPCAST)
+            score_scale = 1.0
+        m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, score_scale,
+                           score_scale, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
                            PAGE_WINDOW)
+        acc = acc * v_scale
         if num_splits == 1:
             # One split (short sequence, large batch, or "standard"): normalise here, no merge.
             store_rows(OUT, acc / tl.where(denom > 0, denom, 1.0)[:, None], b, hk, stride_ob, stride_oh,
@@ -132,15 +139,16 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim,
                   PAGE=block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), PAGE_WINDOW=cfg.page_window)
+                  PREFETCH=cfg.prefetch, UPCAST=interpreting(), PAGE_WINDOW=cfg.page_window,
+                  HAS_SCALE=is_fp8(kv_dtype))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def probe_args() -> tuple:
         q, kv, table, lens, partial = probe_tensors(device, dtype, kv_dtype, torch.int32, torch.int32, torch.float32)
         q_strides, kv_strides, bt_stride = contiguous_strides(batch, num_heads, num_kv_heads, head_dim, block_size,
                                                               max_blocks)
-        return (q, kv, kv, table, lens, q, partial, partial, *q_strides, *kv_strides, bt_stride, *q_strides,
-                LOG2E, 2, min_chunk)
+        return (q, kv, kv, table, lens, q, partial, partial, partial, partial, *q_strides, *kv_strides, bt_stride,
+                *q_strides, LOG2E, 2, min_chunk)
 
     if batch == 0 or num_splits == 1:
         max_splits = 1
@@ -160,10 +168,14 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
 
 def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's decode under `plan`: out[B, Hq, D]. The tensors must have the layouts `check_shapes`
-    accepts (checked once by the caller, not here) and the plan's shapes (checked here)."""
+    accepts (checked once by the caller, not here) and the plan's shapes (checked here); FP8 pages
+    come with their per-head float32 `k_scale` / `v_scale` [Hkv]."""
     check_plan_shapes("flash decode", plan.shapes, q, k_cache)
+    if plan.consts["HAS_SCALE"] and (k_scale is None or v_scale is None):
+        raise ValueError("flash decode: the plan is for FP8 pages, which need k_scale and v_scale")
     out = torch.empty_like(q) if out is None else out
     if plan.batch == 0:
         return out
@@ -171,6 +183,7 @@ def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tens
     p_acc, p_ml = (out, out) if plan.p_acc is None else (plan.p_acc, plan.p_ml)
     _split_kernel[(plan.batch, plan.num_kv_heads, plan.max_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
+        p_ml if k_scale is None else k_scale, p_ml if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, plan.max_splits, plan.min_chunk,
         **plan.consts, **plan.launch)
@@ -184,10 +197,14 @@ def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tens
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-Decoding; `num_splits` = 1 is the standard single pass (no merge launch). Plans and runs."""
     batch, num_heads, num_kv_heads, head_dim = check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    check_scales(k_cache, k_scale, "flash decode")
+    check_scales(v_cache, v_scale, "flash decode")
     plan = plan_flash_decode(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
                              dtype=q.dtype, device=q.device, kv_dtype=k_cache.dtype, num_splits=num_splits,
                              config=config)
-    return run_flash_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, out=out)
+    return run_flash_decode(plan, q, k_cache, v_cache, block_tables, seq_lens, scale=scale, out=out,
+                            k_scale=k_scale, v_scale=v_scale)

@@ -3,10 +3,14 @@
 Cache layout everywhere: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD). A token at
 logical position `p` of a sequence lives in block `block_tables[b, p // block_size]`, row
 `p % block_size`. `slot = block * block_size + row`; a slot of -1 is padding and is skipped.
+FP8 pages hold codes (`kernels.attention.kv_quant`): every function takes the per-head `k_scale` /
+`v_scale` beside the caches (None for other dtypes) and computes over the dequantized values.
 """
 from __future__ import annotations
 
 import torch
+
+from kernels.attention.kv_quant import check_scales, dequantize_kv, store_rows
 
 
 def key_pages_ref(pages: torch.Tensor, key_page_map: torch.Tensor | None) -> torch.Tensor:
@@ -15,26 +19,32 @@ def key_pages_ref(pages: torch.Tensor, key_page_map: torch.Tensor | None) -> tor
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, key_page_map: torch.Tensor | None = None) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, key_page_map: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write `key/value[T, Hkv, D]` into the caches at `slot_mapping[T]`, skipping slots < 0; keys
     at page key_page_map[slot // block_size] of k_cache when given (`kernels.attention.kv_store.store_kv`)."""
+    check_scales(k_cache, k_scale, "store_kv_ref")
+    check_scales(v_cache, v_scale, "store_kv_ref")
     block_size = v_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     k_slots = slots if key_page_map is None else (
         key_pages_ref(slots // block_size, key_page_map) * block_size + slots % block_size)
-    k_flat = k_cache.view(k_cache.shape[0] * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(v_cache.shape[0] * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, k_slots, key[valid].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    store_rows(k_cache, k_slots, key[valid], k_scale)
+    store_rows(v_cache, slots, value[valid], v_scale)
 
 
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's pages as a contiguous `[length, Hkv, D]`."""
+def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                  scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `length` tokens of one sequence's pages as a contiguous `[length, Hkv, D]`: in
+    the cache's dtype, or dequantized / cast to `dtype` (float32 when an FP8 cache's `scale` is given)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     pages = cache[block_table[:num_blocks].long()]
-    return pages.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    tokens = pages.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    if scale is None and dtype is None:
+        return tokens
+    return dequantize_kv(tokens, scale, dtype or torch.float32)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -53,7 +63,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
-                         scale: float) -> torch.Tensor:
+                         scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Standard decode attention: one query token per sequence, one pass over its whole KV.
 
     q[B, Hq, D] -> out[B, Hq, D] (q's dtype). Computed in float32 with padding masked out.
@@ -65,8 +76,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return torch.zeros_like(q)
     num_pages = (max_len + block_size - 1) // block_size
     pages = block_tables[:, :num_pages].long()
-    k = k_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
-    v = v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim).float()
+    k = dequantize_kv(k_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim), k_scale)
+    v = dequantize_kv(v_cache[pages].reshape(batch, num_pages * block_size, num_kv_heads, head_dim), v_scale)
     group = num_heads // num_kv_heads
     qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bkhd->bhgk", qf, k) * scale
@@ -81,7 +92,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, *, scale: float) -> torch.Tensor:
+                          query_start_loc: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for a batch of query chunks over paged KV (prefix already cached).
 
     q[T, Hq, D] holds each sequence's new tokens back to back (`query_start_loc[B+1]`); the
@@ -96,8 +108,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv_ref(k_cache, block_tables[b], context_len)
-        v = gather_kv_ref(v_cache, block_tables[b], context_len)
+        k = gather_kv_ref(k_cache, block_tables[b], context_len, k_scale)
+        v = gather_kv_ref(v_cache, block_tables[b], context_len, v_scale)
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         k_pos = torch.arange(context_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
@@ -145,7 +157,7 @@ def safe_window(dtype: torch.dtype) -> tuple[float, float]:
     return -64.0, 64.0
 
 
-def paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n):
+def paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n, k_scale=None, v_scale=None):
     """Scores [B, Hkv, G, T, block_n] (masked with -inf), V [B, T, block_n, Hkv, D] in float32."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -156,8 +168,10 @@ def paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n):
     table = block_tables[:, :num_pages].long()
     if table.shape[1] < num_pages:   # the tile padding may reach past the table: point it anywhere
         table = torch.nn.functional.pad(table, (0, num_pages - table.shape[1]))
-    k = k_cache[table].reshape(batch, num_pages * block_size, num_kv_heads, head_dim)[:, :padded].float()
-    v = v_cache[table].reshape(batch, num_pages * block_size, num_kv_heads, head_dim)[:, :padded].float()
+    k = dequantize_kv(k_cache[table].reshape(batch, num_pages * block_size, num_kv_heads, head_dim)[:, :padded],
+                      k_scale)
+    v = dequantize_kv(v_cache[table].reshape(batch, num_pages * block_size, num_kv_heads, head_dim)[:, :padded],
+                      v_scale)
     group = num_heads // num_kv_heads
     qf = q.float().reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bkhd->bhgk", qf, k) * scale
@@ -201,12 +215,13 @@ def _split_partials(scores, v, seq_lens, max_splits, block_n, min_chunk):
 
 def flash_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                     max_splits: int, block_n: int = 64, min_chunk: int = 256) -> torch.Tensor:
+                     max_splits: int, block_n: int = 64, min_chunk: int = 256,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-Decoding: per-split partial softmax, then the exact log-sum-exp merge."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return torch.empty_like(q)
-    scores, v = paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n)
+    scores, v = paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n, k_scale, v_scale)
     m, l_split, acc_split = _split_partials(scores, v, seq_lens, max_splits, block_n, min_chunk)
     m_all = m.amax(-1, keepdim=True)
     weight = torch.where(torch.isfinite(m), torch.exp(m - m_all), 0.0)        # empty splits weigh 0
@@ -230,7 +245,8 @@ def fdpp_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
                     max_splits: int, phi: float | None = None, fallback: bool = True,
                     stats: torch.Tensor | None = None, block_n: int = 64, min_chunk: int = 256,
-                    phi_sink: int = 4, phi_window: int = 28) -> torch.Tensor:
+                    phi_sink: int = 4, phi_window: int = 28, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """FlashDecoding++: partials exponentiated against one unified max φ, merged by plain sums.
 
     `phi` is in the units of the scaled scores (q·k·scale, natural log); None estimates it per
@@ -241,7 +257,7 @@ def fdpp_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return torch.empty_like(q)
-    scores, v = paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n)
+    scores, v = paged_scores(q, k_cache, v_cache, block_tables, seq_lens, scale, block_n, k_scale, v_scale)
     if phi is None:
         phi_row = estimate_phi_ref(scores, seq_lens, phi_sink, phi_window)
         phi_row = torch.where(torch.isfinite(phi_row), phi_row, 0.0)   # empty sequences
@@ -255,7 +271,7 @@ def fdpp_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     acc_split = _per_split_sum(torch.einsum("bhgtn,btnhd->bhgtd", p, v), split_idx, s_count)
     den, num = l_split.sum(3), acc_split.sum(3)                       # ...and the merge is a sum
     out = num / torch.where(den == 0, 1.0, den)[..., None]
-    lo, hi = safe_window(v_cache.dtype)
+    lo, hi = safe_window(q.dtype if k_scale is not None else v_cache.dtype)   # FP8 pages: P·V in q's dtype
     excess = (scores.amax((-1, -2)) - phi_row) * LOG2E
     flagged = (excess > hi) | (excess < lo) | ~torch.isfinite(den) | (den <= 0)
     flagged &= (seq_lens > 0).to(flagged.device)[:, None, None]       # an empty row has nothing to check
@@ -263,7 +279,8 @@ def fdpp_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stats[0] += int(flagged.sum())
     if fallback and bool(flagged.any()):
         exact = flash_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                 max_splits=max_splits, block_n=block_n, min_chunk=min_chunk)
+                                 max_splits=max_splits, block_n=block_n, min_chunk=min_chunk,
+                                 k_scale=k_scale, v_scale=v_scale)
         exact = exact.float().reshape(out.shape)
         out = torch.where(flagged[..., None], exact, out)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
@@ -282,7 +299,8 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     max_splits = num_splits or max_splits_default
     if variant == "standard":
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                    k_scale=options.get("k_scale"), v_scale=options.get("v_scale"))
     if variant == "flash":
         return flash_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                 max_splits=max_splits, **options)

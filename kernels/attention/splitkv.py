@@ -3,6 +3,12 @@
 A program owns the `G = Hq / Hkv` query heads of one KV head as the rows of one tile (padded to 16,
 the `tl.dot` minimum) and walks its split of one sequence's pages with `attend`; `split_plan` derives
 that split from `seq_lens` on the device, so the host picks only the split count.
+
+FP8 pages (`kernels.attention.kv_quant`) are converted to the query rows' dtype as they are
+multiplied, and the rows are pre-multiplied by the score scale (`fp8_queries`). Flash-Decoding and
+prefill take fp16 rows, since the codes convert to fp16 in one instruction per pair and their P is
+at most 1; FD++ keeps bf16 rows, whose P = 2^(s - φ) needs bf16's range (`safe_window`). The KV
+head's scales never touch a tile: K's folds into the score scale, V's into the output.
 """
 from __future__ import annotations
 
@@ -64,6 +70,23 @@ def load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
 
 
 @triton.jit
+def head_scales(K_SCALE, V_SCALE, hk, HAS_SCALE: tl.constexpr):
+    """(K scale, V scale) of KV head `hk` for FP8 pages; (1, 1) otherwise."""
+    if HAS_SCALE:
+        return tl.load(K_SCALE + hk), tl.load(V_SCALE + hk)
+    return 1.0, 1.0
+
+
+@triton.jit
+def fp8_queries(q, score_scale, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Query rows for FP8 pages: times the score scale (the scores come out in log2 units), in DTYPE."""
+    q = q.to(tl.float32) * score_scale
+    if not UPCAST:
+        q = q.to(DTYPE)
+    return q
+
+
+@triton.jit
 def load_q_rows(Q, b, hk, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                 D: tl.constexpr, UPCAST: tl.constexpr):
     """The G query heads of KV head `hk` as rows [BLOCK_H, D] (padding rows are zero)."""
@@ -85,18 +108,18 @@ def softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC: tl.const
     ASYNC (FD++): exponentiate against the unified max φ; no rescale. m is then only the true
     row max, kept (one reduction, no exponential) for the range check.
     """
-    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2, float("-inf"))
     if ASYNC:
         m = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - phi[:, None])
         denom += tl.sum(p, 1)
-        acc += tl.dot(p.to(v.dtype), v)
+        acc += tl.dot(p.to(q.dtype), v.to(q.dtype))
     else:
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
     return m, denom, acc
 

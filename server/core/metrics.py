@@ -34,6 +34,7 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("fdserve_kv_blocks_total", "KV cache blocks", value=stats.num_total_blocks)
         yield GaugeMetricFamily("fdserve_kv_blocks_free", "Free KV cache blocks", value=stats.num_free_blocks)
         yield GaugeMetricFamily("fdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=stats.kv_usage)
+        yield InfoMetricFamily("fdserve_kv_cache", "The KV cache pages' dtype", value={"dtype": stats.kv_cache_dtype})
         yield CounterMetricFamily("fdserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
                                   value=stats.prefix_cache_queries)
         yield CounterMetricFamily("fdserve_prefix_cache_hits", "Prompt blocks found in the prefix cache",

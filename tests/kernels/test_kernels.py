@@ -25,6 +25,7 @@ from kernels import (
 )
 from kernels.attention.reference import split_plan
 from kernels.vendor import DecodeConfig, vendor_configs
+from tests.support.paged_cache import shuffled_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 is exact in the interpreter; on a GPU tl.dot runs float32 as tf32 (~1e-3 relative).
@@ -42,12 +43,7 @@ def paged_batch(lens, num_heads, num_kv_heads, head_dim, page, dtype=torch.float
     num_blocks = sum(pages_per_seq) + 3
     k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(lens), max(pages_per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages_per_seq):
-        tables[b, :n] = perm[used:used + n]
-        used += n
+    tables = shuffled_tables(pages_per_seq, num_blocks, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     return [t.to(DEVICE) for t in (q, k_cache, v_cache, tables, seq_lens)]

@@ -1,5 +1,6 @@
 """The real openai SDK against a live uvicorn + the real engine on a tiny random model (CPU)."""
 import json
+import re
 
 import httpx
 import openai
@@ -268,6 +269,7 @@ def test_metrics_exported(server, client):
         assert name in text, name
     # on the CPU the decode path is eager (no CUDA graph), and says so
     assert 'fdserve_decode_path_info{path="eager' in text and "asynchronous scheduling" in text
+    assert re.search(r'fdserve_kv_cache_info\{dtype="(bfloat16|float32)"\}', text)   # the pages: the model dtype
     assert metric(server.root, "fdserve_decode_graph_steps_total") == 0
     assert metric(server.root, "fdserve_requests_total", '{route="chat",status="200"}') >= 1
 
