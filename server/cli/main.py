@@ -207,4 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m server.cli.main`: run the imported module's main, whose SUBCOMMANDS the extensions
+    # register into (this __main__ copy of the module has a registry of its own)
+    from server.cli.main import main as registered_main
+    sys.exit(registered_main())
