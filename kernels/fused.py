@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.attention.kv_quant import check_scales, fp8_grid, is_fp8
+from kernels.attention.kv_store import quantize_rows
 from kernels.attention.reference import store_kv_ref
 
 MAX_NORM_HIDDEN = 16384   # one row lives in registers; beyond this it would spill
@@ -63,11 +65,12 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def rotary_embedding_and_store_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
                                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   slot_mapping: torch.Tensor) -> torch.Tensor:
+                                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     q, k = rotary_embedding_ref(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
     num_tokens, num_kv_heads = k.shape[0], k.shape[1] // head_dim
     store_kv_ref(k.view(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim),
-                 k_cache, v_cache, slot_mapping)
+                 k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q
 
 
@@ -174,26 +177,44 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ----- rotary embedding ------------------------------------------------------------------------
 
 @triton.jit
+def _row_values(x, X_ROW, OUT_ROW, SCALE, heads, h_ok, QUANT: tl.constexpr, LIMIT: tl.constexpr,
+                EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """x in OUT_ROW's dtype; FP8 codes (`quantize_rows`) of x rounded to X_ROW's dtype first, the
+    values the unfused RoPE would hand the KV store."""
+    if QUANT:
+        return quantize_rows(x.to(X_ROW.dtype.element_ty), SCALE, heads, h_ok, LIMIT, EMIN, MBITS,
+                             OUT_ROW.dtype.element_ty)
+    return x.to(OUT_ROW.dtype.element_ty)
+
+
+@triton.jit
 def _rotate_heads(X_ROW, OUT_ROW, h0, num_heads, stride_xh, stride_oh, cos, sin,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+                  PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, SCALE=None, QUANT: tl.constexpr = False,
+                  LIMIT: tl.constexpr = 0.0, EMIN: tl.constexpr = 0, MBITS: tl.constexpr = 0):
     """Heads [h0, h0 + BLOCK_H) of one token row: GPT-NeoX rotation of the first 2*HALF features
-    in float32, the other PASS features copied bit for bit."""
+    in float32, the other PASS features copied bit for bit (QUANT: written as FP8 codes of the
+    heads' SCALE instead)."""
     heads = h0 + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
     d = tl.arange(0, BLOCK_HALF)
-    mask = (heads < num_heads)[:, None] & (d < HALF)[None, :]
+    mask = h_ok[:, None] & (d < HALF)[None, :]
     src = X_ROW + heads[:, None] * stride_xh + d[None, :]
     dst = OUT_ROW + heads[:, None] * stride_oh + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * cos - x2 * sin).to(OUT_ROW.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(OUT_ROW.dtype.element_ty), mask=mask)
+    tl.store(dst, _row_values(x1 * cos - x2 * sin, X_ROW, OUT_ROW, SCALE, heads, h_ok, QUANT, LIMIT, EMIN, MBITS),
+             mask=mask)
+    tl.store(dst + HALF, _row_values(x2 * cos + x1 * sin, X_ROW, OUT_ROW, SCALE, heads, h_ok, QUANT, LIMIT, EMIN,
+                                     MBITS), mask=mask)
     if PASS > 0:
         p = tl.arange(0, BLOCK_PASS)
-        pmask = (heads < num_heads)[:, None] & (p < PASS)[None, :]
+        pmask = h_ok[:, None] & (p < PASS)[None, :]
         rest = 2 * HALF + p[None, :]
-        tl.store(OUT_ROW + heads[:, None] * stride_oh + rest,
-                 tl.load(X_ROW + heads[:, None] * stride_xh + rest, mask=pmask), mask=pmask)
+        kept = tl.load(X_ROW + heads[:, None] * stride_xh + rest, mask=pmask)
+        if QUANT:
+            kept = quantize_rows(kept, SCALE, heads, h_ok, LIMIT, EMIN, MBITS, OUT_ROW.dtype.element_ty)
+        tl.store(OUT_ROW + heads[:, None] * stride_oh + rest, kept, mask=pmask)
 
 
 @triton.jit
@@ -223,14 +244,16 @@ def _rotary_kernel(POS, Q, K, Q_OUT, K_OUT, COS, SIN, stride_q, stride_k, stride
 
 
 @triton.jit
-def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, COS, SIN,
+def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, COS, SIN, K_SCALE, V_SCALE,
                          stride_q, stride_k, stride_v, stride_qo, stride_c, stride_cb, stride_ct, stride_ch,
                          num_q_heads, num_kv_heads, q_blocks, kv_blocks,
                          PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, QUANT: tl.constexpr, LIMIT: tl.constexpr, EMIN: tl.constexpr,
+                         MBITS: tl.constexpr):
     """Blocks [0, q_blocks): rotate q heads; then k heads, rotated straight into the cache row of
-    the token's slot; then v heads, copied there (slot -1: padding, nothing stored)."""
+    the token's slot; then v heads, copied there (slot -1: padding, nothing stored). QUANT: the
+    caches are FP8 and k / v are stored as codes of their heads' K_SCALE / V_SCALE."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if hb < q_blocks:
@@ -244,12 +267,16 @@ def _rotary_store_kernel(POS, Q, K, V, Q_OUT, K_CACHE, V_CACHE, SLOTS, COS, SIN,
             if hb < q_blocks + kv_blocks:
                 cos, sin = _cos_sin(POS, COS, SIN, t, stride_c, HALF, BLOCK_HALF)
                 _rotate_heads(K + t * stride_k, K_CACHE + row, (hb - q_blocks) * BLOCK_H, num_kv_heads, HEAD_DIM,
-                              stride_ch, cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)
+                              stride_ch, cos, sin, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS, K_SCALE, QUANT,
+                              LIMIT, EMIN, MBITS)
             else:
                 heads = (hb - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
                 d = tl.arange(0, BLOCK_D)
                 mask = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
                 val = tl.load(V + t * stride_v + heads[:, None] * HEAD_DIM + d[None, :], mask=mask)
+                if QUANT:
+                    val = quantize_rows(val, V_SCALE, heads, heads < num_kv_heads, LIMIT, EMIN, MBITS,
+                                        V_CACHE.dtype.element_ty)
                 tl.store(V_CACHE + row + heads[:, None] * stride_ch + d[None, :],
                          val.to(V_CACHE.dtype.element_ty), mask=mask)
 
@@ -308,19 +335,26 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def rotary_embedding_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
                                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> torch.Tensor:
+                               slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`rotary_embedding` and `kernels.store_kv` in one launch: returns the rotated q; the rotated
     k and v[T, Hkv*D] go straight into caches[num_blocks, block_size, Hkv, D] at slot_mapping[T]
     (-1 skips). k never exists rotated outside the cache. The caches must have k's dtype (the
-    unfused path rounds the rotated k to k's dtype before the store casts it)."""
+    unfused path rounds the rotated k to k's dtype before the store casts it), or be FP8 with
+    their per-head `k_scale` / `v_scale` (the rotated k is rounded to k's dtype, then quantized)."""
     _check_rotary(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)
+    check_scales(k_cache, k_scale, "rotary_embedding_and_store")
+    check_scales(v_cache, v_scale, "rotary_embedding_and_store")
+    quant = is_fp8(k_cache.dtype)
+    cache_dtype = k_cache.dtype if quant else k.dtype
     num_tokens = positions.shape[0]
     num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     if (v.shape != k.shape or v.stride(1) != 1 or k_cache.stride() != v_cache.stride()
             or k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.stride(3) != 1
-            or k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.shape != (num_tokens,)):
+            or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype or slot_mapping.shape != (num_tokens,)):
         raise ValueError(f"rotary_embedding_and_store: v must be shaped like k {tuple(k.shape)}, the caches "
-                         f"[blocks, page, {num_kv_heads}, {head_dim}] of k's dtype {k.dtype} with shared strides, "
+                         f"[blocks, page, {num_kv_heads}, {head_dim}] of k's dtype {k.dtype} (or both of one FP8 "
+                         f"dtype) with shared strides, "
                          f"slot_mapping [{num_tokens}]; got v {tuple(v.shape)}, caches {tuple(k_cache.shape)} "
                          f"{k_cache.dtype}/{v_cache.dtype}, slot_mapping {tuple(slot_mapping.shape)}")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -331,10 +365,11 @@ def rotary_embedding_and_store(positions: torch.Tensor, q: torch.Tensor, k: torc
     q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     _rotary_store_kernel[(num_tokens, q_blocks + 2 * kv_blocks)](
         positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cos_cache, sin_cache,
+        slot_mapping if k_scale is None else k_scale, slot_mapping if v_scale is None else v_scale,
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), cos_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads, num_kv_heads, q_blocks, kv_blocks,
         PAGE=k_cache.shape[1], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(half), PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        BLOCK_D=triton.next_power_of_2(head_dim), QUANT=quant, **fp8_grid(k_cache.dtype), num_warps=4)
     return q_out

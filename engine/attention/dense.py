@@ -173,8 +173,8 @@ class DenseBackend(AttentionBackend):
         if is_fp8(spec.kv_dtype):
             self.kv_scales = kv_scales(spec.kv_dtype, spec.num_layers, spec.num_kv_heads, v_cache.device,
                                        self.scale_file)
-            # the layer stores FP8 codes apart from RoPE (the fused write stores the model dtype)
-            self.name = f"{self._texts[0]}; prefill: {self._texts[1]}; kv store: {self._where}, FP8 codes"
+            fused = ", fused with RoPE" if self.fuse_rope_store else ""
+            self.name = f"{self._texts[0]}; prefill: {self._texts[1]}; kv store: {self._where}{fused}, FP8 codes"
 
     def _scales(self, layer_idx: int) -> LayerScales:
         """The layer's k_scale / v_scale for FP8 pages; nothing for others."""

@@ -26,7 +26,8 @@ class RotaryFn(Protocol):
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                          ) -> torch.Tensor: ...
 
 
@@ -85,9 +86,13 @@ class Attention(nn.Module):
         if rotary is not None:
             if positions is None:
                 raise ValueError("Attention: rotary needs positions")
-            fused = backend.fuse_rope_store and self.k_cache.dtype == k.dtype
+            scales = backend.kv_scales   # FP8 pages: the fused write quantizes with the layer's scales
+            fused = backend.fuse_rope_store and (self.k_cache.dtype == k.dtype or scales is not None)
             if fused:
-                q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                k_scale, v_scale = (None, None) if scales is None else (scales.k[self.layer_idx],
+                                                                        scales.v[self.layer_idx])
+                q = rotary.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                            k_scale, v_scale)
                 backend.post_store(self.layer_idx, self.k_cache, meta.slot_mapping)
             else:
                 q, k = rotary(positions, q, k)

@@ -257,11 +257,12 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The rotated q; rotated k and v written into the paged caches at slot_mapping (GPU, one
-        launch: kernels/fused.py)."""
+        launch: kernels/fused.py); FP8 caches with their per-head scales."""
         return fused.rotary_embedding_and_store(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
-                                                self.rotary_dim, k_cache, v_cache, slot_mapping)
+                                                self.rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------------------------------------

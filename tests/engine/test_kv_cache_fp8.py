@@ -104,3 +104,17 @@ def test_what_cannot_read_fp8_pages_is_refused_at_startup(tiny_dir):
         make_llm(tiny_dir, **{"flashdecoding.kernel": "ffd"})
     with pytest.raises((ConfigError, ValueError), match="kv_cache_dtype"):
         make_llm(tiny_dir, kv_cache_dtype="int8")
+
+
+def test_the_fused_rope_store_writes_the_pages_the_plain_store_writes(tiny_dir):
+    """The layer's fused RoPE + KV write (the GPU's path; Triton's interpreter here) over FP8 pages:
+    the same tokens as the separate RoPE and store, and the same codes in the pages."""
+    plain = make_llm(tiny_dir)
+    fused = make_llm(tiny_dir)
+    fused.engine.backend.fuse_rope_store = True
+    batch = prompts(4)
+    assert [r.token_ids for r in fused.generate(batch, GREEDY)] == [r.token_ids for r in plain.generate(batch, GREEDY)]
+    used = plain.engine.runner.k_cache.float().abs().sum(dim=(0, 2, 3, 4)) > 0     # pages written
+    for a, b in ((plain.engine.runner.k_cache, fused.engine.runner.k_cache),
+                 (plain.engine.runner.v_cache, fused.engine.runner.v_cache)):
+        assert torch.equal(a[:, used].float(), b[:, used].float())

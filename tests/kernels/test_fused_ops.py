@@ -188,6 +188,40 @@ def test_rotary_embedding_and_store_low_precision_equals_the_two_launches(dtype:
     assert torch.equal(fused_caches[0], split_caches[0]) and torch.equal(fused_caches[1], split_caches[1])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 32)])
+def test_rotary_embedding_and_store_writes_fp8_codes(kv_dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
+    """FP8 caches: the fused launch stores the codes that RoPE, then the KV store, store (the rotated k
+    rounded to k's dtype, then quantized with its head's scale; v quantized), partial rotary included."""
+    from kernels.attention.kv_quant import fp8_max
+    rope = RotaryEmbedding(head_dim, rotary_dim, max_position=512, base=10000.0).to(DEVICE)
+    tokens, heads, kv_heads, page = 6, 6, 3, 4
+    positions = torch.tensor([0, 3, 17, 100, 255, 511], device=DEVICE)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32    # the interpreter mis-computes bf16
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=11, dtype=dtype) * 30   # some values saturate
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k_scale = torch.tensor([0.02, 0.05, 0.1], device=DEVICE) * 448 / fp8_max(kv_dtype)
+    v_scale = torch.tensor([0.03, 0.01, 0.2], device=DEVICE) * 448 / fp8_max(kv_dtype)
+    slots = torch.tensor([5, -1, 16, 17, 2, 23], device=DEVICE)
+    caches = [torch.zeros(6, page, kv_heads, head_dim, device=DEVICE).to(kv_dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    got_q = fused.rotary_embedding_and_store(positions, q, k, v, rope.cos_cache, rope.sin_cache, head_dim, rotary_dim,
+                                             caches[0], caches[1], slots, k_scale, v_scale)
+    want_q = fused.rotary_embedding_and_store_ref(positions, q, k, v, rope.cos_cache, rope.sin_cache, head_dim,
+                                                  rotary_dim, want[0], want[1], slots, k_scale, v_scale)
+    assert_close(got_q, want_q, TOL32 if dtype == torch.float32 else 1e-2, "rope+store q vs reference")
+    step = 2.0 ** -(3 if kv_dtype == torch.float8_e4m3fn else 2)
+    for got, ref in zip(caches, want, strict=True):
+        got, ref = got.float(), ref.float()
+        # the same codes but where the two rotations' last bit puts a value on the other side of a
+        # rounding edge: then one step apart (and a tiny negative may be +0 where torch has -0)
+        assert (got == ref).float().mean() >= 0.99 and ref.abs().sum() > 0
+        assert ((got - ref).abs() <= step * ref.abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="scale per KV head"):
+        fused.rotary_embedding_and_store(positions, q, k, v, rope.cos_cache, rope.sin_cache, head_dim, rotary_dim,
+                                         caches[0], caches[1], slots)
+
+
 def test_rotary_embedding_and_store_refuses_a_cache_of_another_dtype() -> None:
     rope = RotaryEmbedding(64, 64, 16, 10000.0)
     pos = torch.arange(2)
