@@ -118,3 +118,13 @@ def test_the_fused_rope_store_writes_the_pages_the_plain_store_writes(tiny_dir):
     for a, b in ((plain.engine.runner.k_cache, fused.engine.runner.k_cache),
                  (plain.engine.runner.v_cache, fused.engine.runner.v_cache)):
         assert torch.equal(a[:, used].float(), b[:, used].float())
+
+
+def test_each_vendor_gets_its_fp8_format():
+    from engine.worker.device import select_kv_dtype
+
+    assert select_kv_dtype("auto", torch.bfloat16, "nvidia") == torch.bfloat16
+    assert select_kv_dtype("fp8_e4m3", torch.bfloat16, "nvidia") == torch.float8_e4m3fn
+    assert select_kv_dtype("fp8_e5m2", torch.float32, "cpu") == torch.float8_e5m2
+    assert select_kv_dtype("fp8_e4m3", torch.bfloat16, "amd") == torch.float8_e4m3fnuz
+    assert select_kv_dtype("fp8_e5m2", torch.bfloat16, "amd") == torch.float8_e5m2fnuz

@@ -16,6 +16,8 @@ from tests.support.paged_cache import shuffled_tables
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DecodeConfig(block_n=32, min_chunk=64, num_stages=1)
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# The fnuz formats are AMD's: NVIDIA GPUs have no conversion for them (the interpreter and ROCm do).
+FNUZ = [] if torch.cuda.is_available() and not torch.version.hip else [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 TOL = 1e-2
 
 
@@ -83,7 +85,7 @@ CASES = [
 
 @pytest.mark.parametrize("variant", ["standard", "flash", "fdpp"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_dtype", [*FP8, *FNUZ])
 def test_decode_reads_fp8_pages(variant, case, kv_dtype):
     lens, hq, hkv, d, page = CASES[case]
     q, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch(lens, hq, hkv, d, page, kv_dtype,
@@ -103,7 +105,7 @@ def test_decode_reads_fp8_pages(variant, case, kv_dtype):
         assert int(options["stats"][0]) == int(ref_options["stats"][0]) == 0
 
 
-@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_dtype", [*FP8, *FNUZ])
 def test_prefill_reads_fp8_pages(kv_dtype):
     """Seq 0: a chunk after a cached prefix of several pages; seq 1: a first turn; seq 2: one row
     after a one-page prefix."""
@@ -153,10 +155,6 @@ def test_fp8_pages_need_their_scales():
     with pytest.raises(ValueError, match="FP8 cache only"):
         store_kv_ref(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), k.float().cpu(), v.float().cpu(),
                      torch.tensor([0]), k_scale=k_scale.cpu(), v_scale=v_scale.cpu())
-
-
-# The fnuz formats are AMD's: NVIDIA GPUs have no conversion for them (the interpreter and ROCm do).
-FNUZ = [] if torch.cuda.is_available() and not torch.version.hip else [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 
 
 @pytest.mark.parametrize("kv_dtype", [*FP8, *FNUZ])
