@@ -63,23 +63,12 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qh = q[q_start:q_end].transpose(0, 1)[None]     # 4-D: SDPA's CPU flash kernel takes no 3-D input
         if q_len == context_len:
             o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
-        else:
-            o = _attend_after_prefix(qh, k[None], v[None], context_len - q_len, scale)
+        else:   # a cached prefix: the causal diagonal sits at the bottom right
+            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask, scale=scale)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
-
-
-def _attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """Causal attention of q [1, H, n, D], the n tokens after `prefix` cached ones, over k/v
-    [1, H, prefix + n, D]: the prefix (seen by every row) and the causal n x n diagonal as two flash
-    calls merged by their log-sum-exps, 1.3-1.5x faster than one call with the bottom-right mask."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o_prefix, lse_prefix = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)
-    o_diag, lse_diag = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)
-    top = torch.maximum(lse_prefix, lse_diag)
-    w_prefix, w_diag = torch.exp(lse_prefix - top)[..., None], torch.exp(lse_diag - top)[..., None]
-    merged = (o_prefix.float() * w_prefix + o_diag.float() * w_diag) / (w_prefix + w_diag)
-    return merged.to(q.dtype)
 
 
 # A padded gather of the whole batch is cheaper than a Python loop over sequences while the batch's
