@@ -71,6 +71,9 @@ class LayerScales(TypedDict, total=False):
     v_scale: torch.Tensor
 
 
+NO_SCALES: LayerScales = {}
+
+
 @dataclass(frozen=True)
 class DensePlan(AttentionPlan):
     """A decode-only step's kernel plan, shared by every layer of the step; None on the CPU (the torch
@@ -137,6 +140,7 @@ class DenseBackend(AttentionBackend):
         self.spec: KVCacheSpec | None = None     # the cache the plans are made for (`allocate`)
         self.scale_file = calibration_path or fd.calibration_file
         self.kv_scales: KVScales | None = None   # FP8 pages' scales (`allocate`)
+        self.layer_scales: list[LayerScales] = []
         phi_text = ""
         if self.variant == "fdpp":
             self.phi_for, phi_text = phi_source(fd, calibration_path)
@@ -161,26 +165,23 @@ class DenseBackend(AttentionBackend):
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
         prefill_text = "torch SDPA (cpu)" if self.cpu_fused else where
-        self._where = where
         store_text = f"{where}, fused with RoPE" if on_gpu else ("torch index copy (cpu)" if self.cpu_fused else where)
-        self._texts = (decode_text, prefill_text)
         self.name = f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
         self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
-        self.kv_scales = None
-        if is_fp8(spec.kv_dtype):
+        if is_fp8(spec.kv_dtype) and self.kv_scales is None:
             self.kv_scales = kv_scales(spec.kv_dtype, spec.num_layers, spec.num_kv_heads, v_cache.device,
                                        self.scale_file)
-            fused = ", fused with RoPE" if self.fuse_rope_store else ""
-            self.name = f"{self._texts[0]}; prefill: {self._texts[1]}; kv store: {self._where}{fused}, FP8 codes"
+            self.name += ", FP8 codes"
+            # one set of views per layer, made once: every store, decode and prefill passes them
+            self.layer_scales = [{"k_scale": k, "v_scale": v} for k, v in zip(self.kv_scales.k, self.kv_scales.v,
+                                                                              strict=True)]
 
     def _scales(self, layer_idx: int) -> LayerScales:
         """The layer's k_scale / v_scale for FP8 pages; nothing for others."""
-        if self.kv_scales is None:
-            return {}
-        return {"k_scale": self.kv_scales.k[layer_idx], "v_scale": self.kv_scales.v[layer_idx]}
+        return self.layer_scales[layer_idx] if self.layer_scales else NO_SCALES
 
     def plan(self, shape: StepShape) -> DensePlan:
         """One decode plan for every layer of a decode-only step on the Triton path."""

@@ -82,7 +82,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend, self.kv_dtype)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_cache_text = kv_cache_text(self.kv_dtype, self.backend)
+        self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
+        self.kv_cache_text = kv_cache_text(self.kv_dtype_name, self.backend)
         self.graphs_text = self._capture_graphs()
         self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
                                                else "; synchronous scheduling")
@@ -336,15 +337,14 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, attention_path=self.backend.name,
             attention_counters={k: float(v) for k, v in self.attention_counters.items()},
-            decode_path=self.decode_path, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            decode_path=self.decode_path, kv_cache_dtype=self.kv_dtype_name,
             num_graph_steps=self.runner.num_graph_steps,
             internal_errors=dict(self.output_processor.internal_errors))
 
 
-def kv_cache_text(kv_dtype: torch.dtype, backend: AttentionBackend) -> str:
+def kv_cache_text(kv_dtype_name: str, backend: AttentionBackend) -> str:
     """The pages' dtype, and for FP8 pages where their scales came from (startup line)."""
-    name = str(kv_dtype).removeprefix("torch.")
-    return f"{name} ({backend.kv_scales.source})" if backend.kv_scales is not None else name
+    return f"{kv_dtype_name} ({backend.kv_scales.source})" if backend.kv_scales is not None else kv_dtype_name
 
 
 def _default_served_name(config: FdserveConfig, model_dir: Path) -> str:

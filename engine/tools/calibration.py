@@ -40,9 +40,9 @@ class RowMaxRecorder(ReferenceBackend):
     def store(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         rows = slot_mapping >= 0
-        for amax, x in ((self.k_amax, key), (self.v_amax, value)):
-            head_max = x[rows].detach().float().abs().amax(dim=(0, 2)).cpu() if bool(rows.any()) else None
-            if head_max is not None:
+        if bool(rows.any()):
+            for amax, x in ((self.k_amax, key), (self.v_amax, value)):
+                head_max = x[rows].detach().float().abs().amax(dim=(0, 2)).cpu()
                 seen = amax[layer_idx]
                 amax[layer_idx] = head_max if seen is None else torch.maximum(seen, head_max)
         super().store(layer_idx, key, value, k_cache, v_cache, slot_mapping)
