@@ -50,6 +50,11 @@ def forward_context(metadata: AttentionMetadata, backend: AttentionBackend) -> I
         _context = previous
 
 
+def step_is_decode_only() -> bool | None:
+    """Whether the step being run holds only decode tokens; None outside a model step."""
+    return None if _context is None else _context.metadata.is_decode_only
+
+
 def get_forward_context() -> ForwardContext:
     if _context is None:
         raise RuntimeError("Attention called outside forward_context(); the model runner sets it")

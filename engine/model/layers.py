@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.layer import step_is_decode_only
 from engine.model.rope import cos_sin_tables
 from kernels import fused
 
@@ -57,9 +58,13 @@ class HasWeight(nn.Module):
     decode_weight: DecodeWeight | None = None
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x·Wᵀ (+ b): `decode_weight` for rows up to its `max_tokens`, else `linear`."""
+        """x·Wᵀ (+ b): `decode_weight` for rows up to its `max_tokens` in a decode-only step, else `linear`.
+
+        Prompt tokens always take the dense weight, so a prompt's logits do not depend on how much of
+        it a prefix-cache hit left to compute."""
         decode = self.decode_weight
-        if decode is not None and x.dim() == 2 and x.shape[0] <= decode.max_tokens:
+        if (decode is not None and x.dim() == 2 and x.shape[0] <= decode.max_tokens
+                and step_is_decode_only() is not False):
             out = decode(x)
             return out if bias is None else out + bias
         return linear(x, self.weight, bias)
