@@ -129,13 +129,13 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(expected)}")
 
 
-def _check_and_copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    _check_shape(loaded, tuple(param.shape), name)
+def check_and_copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    check_shape(loaded, tuple(param.shape), name)
     with torch.no_grad():
         param.copy_(loaded)
 
@@ -145,10 +145,10 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor,
     """For replicated parameters (norms): the whole tensor, shape checked."""
     if shard_id is not None:
         raise ValueError(f"replicated parameter got shard {shard_id!r}")
-    _check_and_copy(param, loaded_weight, "replicated parameter")
+    check_and_copy(param, loaded_weight, "replicated parameter")
 
 
-def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None,
+def new_param(shape: tuple[int, ...], dtype: torch.dtype | None,
                loader: WeightLoader) -> nn.Parameter:
     # Left uninitialised: load_weights checks that every parameter receives checkpoint data.
     param = nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype()),
@@ -167,7 +167,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _new_param((hidden_size,), dtype, default_weight_loader)
+        self.weight = new_param((hidden_size,), dtype, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -286,8 +286,8 @@ class ColumnParallelLinear(HasWeight):
         self.output_size = output_size
         self.output_size_per_partition = self._partition_size()
         self.gather_output = gather_output
-        self.weight = _new_param((self.output_size_per_partition, input_size), dtype, self.weight_loader)
-        self.bias = (_new_param((self.output_size_per_partition,), dtype, self.weight_loader)
+        self.weight = new_param((self.output_size_per_partition, input_size), dtype, self.weight_loader)
+        self.bias = (new_param((self.output_size_per_partition,), dtype, self.weight_loader)
                      if bias else None)
 
     def _partition_size(self) -> int:
@@ -298,8 +298,8 @@ class ColumnParallelLinear(HasWeight):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         size = param.shape[0]
-        _check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]), type(self).__name__)
-        _check_and_copy(param, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
+        check_shape(loaded_weight, (size * self.tp_size, *param.shape[1:]), type(self).__name__)
+        check_and_copy(param, loaded_weight.narrow(0, self.tp_rank * size, size), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.product(x, self.bias)
@@ -328,8 +328,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                              f"[0, {len(self.output_sizes)}), got {shard_id!r}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(s // self.tp_size for s in self.output_sizes[:shard_id])
-        _check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]), f"shard {shard_id}")
-        _check_and_copy(param.narrow(0, offset, size),
+        check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]), f"shard {shard_id}")
+        check_and_copy(param.narrow(0, offset, size),
                         loaded_weight.narrow(0, self.tp_rank * size, size), f"shard {shard_id}")
 
 
@@ -372,8 +372,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                       shard_id: Any = None) -> None:
         offset, size, index = self._shard_offset_and_size(shard_id)
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
-        _check_shape(loaded_weight, (total_heads * self.head_size, *param.shape[1:]), f"qkv shard {shard_id}")
-        _check_and_copy(param.narrow(0, offset, size), loaded_weight.narrow(0, index * size, size),
+        check_shape(loaded_weight, (total_heads * self.head_size, *param.shape[1:]), f"qkv shard {shard_id}")
+        check_and_copy(param.narrow(0, offset, size), loaded_weight.narrow(0, index * size, size),
                         f"qkv shard {shard_id}")
 
 
@@ -390,16 +390,16 @@ class RowParallelLinear(HasWeight):
         self.output_size = output_size
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
         self.reduce_results = reduce_results
-        self.weight = _new_param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
-        self.bias = _new_param((output_size,), dtype, default_weight_loader) if bias else None
+        self.weight = new_param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
+        self.bias = new_param((output_size,), dtype, default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
         size = param.shape[1]
-        _check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
-        _check_and_copy(param, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
+        check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
+        check_and_copy(param, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.product(x)
@@ -421,17 +421,17 @@ class VocabParallelEmbedding(HasWeight):
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), dtype, self.weight_loader)
+        self.weight = new_param((self.num_embeddings_per_partition, embedding_dim), dtype, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
-        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
         rows = max(0, self.vocab_end_index - self.vocab_start_index)
         with torch.no_grad():
             param[rows:].zero_()  # padding rows: their logits are cut off, their embeddings unused
-        _check_and_copy(param[:rows], loaded_weight.narrow(0, self.vocab_start_index, rows),
+        check_and_copy(param[:rows], loaded_weight.narrow(0, self.vocab_start_index, rows),
                         type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -461,10 +461,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(K, N) of this rank's weight for each kind of linear layer in `model` (qkv_proj, o_proj,
-    gate_up_proj, down_proj, lm_head): the products a decode step runs."""
+    gate_up_proj, down_proj, a MoE router's gate, lm_head): the products a decode step runs."""
     shapes: dict[str, tuple[int, int]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        # Every product with a weight (a MoE router too), but not an embedding lookup.
+        if isinstance(module, HasWeight) and (isinstance(module, ParallelLMHead)
+                                              or not isinstance(module, VocabParallelEmbedding)):
             n, k = module.weight.shape
             shapes.setdefault(name.rsplit(".", 1)[-1], (int(k), int(n)))
     return shapes

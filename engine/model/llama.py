@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) over paged attention.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral) over paged attention.
 
 The families differ by switches read from the HF config: bias on q/k/v (Qwen2 always,
-Llama when `attention_bias`), per-head RMSNorm on q and k before RoPE (Qwen3), an explicit
-`head_dim`, RoPE scaling, tied embeddings. Forward takes a flat token batch; the per-step
+Llama when `attention_bias`), per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3-MoE), an
+explicit `head_dim`, RoPE scaling, tied embeddings, and a sparse mixture-of-experts block in place
+of the MLP on the layers `engine/model/moe.py` names (every Mixtral layer; Qwen3-MoE's per
+`decoder_sparse_step` and `mlp_only_layers`). Forward takes a flat token batch; the per-step
 batch layout (which tokens belong to which sequence, where their K/V go) lives in the
 attention metadata installed by the model runner.
 """
@@ -30,6 +32,7 @@ from engine.model.layers import (
     divide,
     get_tp_rank_and_size,
 )
+from engine.model.moe import ALL_EXPERTS, FusedExperts, SparseMoeBlock, expert_param_name, moe_spec, router_param_name
 from engine.model.rope import get_rope_parameters
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ STACKED_PARAMS: tuple[tuple[str, str, Any], ...] = (
 )
 # Buffers some checkpoints carry that we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 def _head_dim(cfg: PretrainedConfig) -> int:
@@ -55,7 +59,7 @@ def _head_dim(cfg: PretrainedConfig) -> int:
 
 def _sliding_window(cfg: PretrainedConfig) -> int | None:
     """The attention window the checkpoint was trained with, if any (Mistral v0.1, some Qwen)."""
-    if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+    if cfg.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
         return None
     return getattr(cfg, "sliding_window", None)
 
@@ -93,7 +97,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_emb = rotary_emb
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -114,7 +118,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, layer_idx: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        spec = moe_spec(cfg, layer_idx)
+        self.mlp: nn.Module = LlamaMLP(cfg, dtype) if spec is None else SparseMoeBlock(spec, cfg.hidden_size, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
@@ -194,6 +199,10 @@ class LlamaForCausalLM(CausalLM):
                 if f".{fused}." in name:
                     expected[name].discard(None)
                     expected[name].add(shard_id)
+        for module_name, module in self.named_modules():
+            if isinstance(module, FusedExperts):
+                for suffix, shards in module.expected_shards().items():
+                    expected[f"{module_name}.{suffix}"] = shards
         loaded: dict[str, set[Any]] = {name: set() for name in params}
         unexpected: list[str] = []
         for ckpt_name, tensor in weights:
@@ -201,11 +210,15 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 continue  # some tied checkpoints store the shared matrix twice
-            name, shard_id = ckpt_name, None
-            for fused, proj, sid in STACKED_PARAMS:
-                if f".{proj}." in ckpt_name:
-                    name, shard_id = ckpt_name.replace(f".{proj}.", f".{fused}."), sid
-                    break
+            name, shard_id = router_param_name(ckpt_name), None
+            expert = expert_param_name(ckpt_name)
+            if expert is not None:
+                name, shard_id = expert
+            else:
+                for fused, proj, sid in STACKED_PARAMS:
+                    if f".{proj}." in ckpt_name:
+                        name, shard_id = ckpt_name.replace(f".{proj}.", f".{fused}."), sid
+                        break
             param = params.get(name)
             if param is None:
                 unexpected.append(ckpt_name)
@@ -218,7 +231,7 @@ class LlamaForCausalLM(CausalLM):
                     loader(param, tensor, shard_id)
             except ValueError as err:
                 raise ValueError(f"checkpoint tensor {ckpt_name}: {err}") from None
-            loaded[name].add(shard_id)
+            loaded[name].update(expected[name] if shard_id == ALL_EXPERTS else {shard_id})
         missing = [name if shards == {None} else f"{name} (shards {sorted(map(str, shards))})"
                    for name in params if (shards := expected[name] - loaded[name])]
         if unexpected or missing:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -38,7 +39,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", True),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", False),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False),
 }
+# llama.cpp files Mixtral under "llama", with experts.
+GGUF_MIXTRAL = ("MixtralForCausalLM", "MixtralConfig", True)
+# Stacked expert tensors [E, out, in] -> HF per-expert projection (Qwen3-MoE name, Mixtral name).
+GGUF_EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                     "ffn_down_exps": ("down_proj", "w2")}
+# Older Mixtral files: one tensor per expert, `blk.N.ffn_gate.E.weight`.
+GGUF_PER_EXPERT = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>ffn_gate|ffn_up|ffn_down)\.(?P<expert>\d+)\.weight$")
 GGUF_TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -185,19 +194,67 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .reshape(rows, *weight.shape[1:]))
 
 
-def gguf_tensor_name_to_hf(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (KeyError if unknown)."""
+def gguf_tensor_name_to_hf(name: str, mixtral: bool = False) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (KeyError if unknown).
+
+    The router `ffn_gate_inp` is `mlp.gate` (Mixtral: `block_sparse_moe.gate`); stacked expert
+    tensors are split by `gguf_expert_tensors`, not named here.
+    """
+    if (m := GGUF_PER_EXPERT.match(name)) is not None:
+        proj = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}[m["part"]]
+        return f"model.layers.{int(m['layer'])}.block_sparse_moe.experts.{int(m['expert'])}.{proj}.weight"
     stem, _, kind = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
+        if part == "ffn_gate_inp":
+            return f"model.layers.{int(layer)}.{'block_sparse_moe' if mixtral else 'mlp'}.gate.{kind}"
         return f"model.layers.{int(layer)}.{GGUF_BLOCK_NAMES[part]}.{kind}"
     return f"{GGUF_TOP_LEVEL_NAMES[stem]}.{kind}"
 
 
-def _hf_config_from_gguf(reader: Any, arch: str, tied: bool) -> Any:
+def gguf_expert_tensors(name: str, stacked: torch.Tensor, mixtral: bool) -> dict[str, torch.Tensor] | None:
+    """`blk.N.ffn_gate_exps.weight` [E, out, in] -> HF's per-expert tensors; None for other names."""
+    stem, _, kind = name.rpartition(".")
+    if not stem.startswith("blk.") or kind != "weight":
+        return None
+    _, layer, part = stem.split(".", 2)
+    if part not in GGUF_EXPERT_NAMES:
+        return None
+    proj = GGUF_EXPERT_NAMES[part][1 if mixtral else 0]
+    block = "block_sparse_moe" if mixtral else "mlp"
+    return {f"model.layers.{int(layer)}.{block}.experts.{e}.{proj}.weight": stacked[e].contiguous()
+            for e in range(stacked.shape[0])}
+
+
+def gguf_hf_architecture(reader: Any) -> tuple[str, str, bool]:
+    """(HF architecture, config class, Q/K permuted) for the file's `general.architecture`."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    if arch == "llama" and int(_field(reader, "llama.expert_count", 0) or 0) > 0:
+        return GGUF_MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _moe_config_fields(reader: Any, arch: str, hf_arch: str, dense_layers: list[int]) -> dict[str, Any]:
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    used = int(_field(reader, f"{arch}.expert_used_count"))
+    if hf_arch == GGUF_MIXTRAL[0]:
+        return {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
+    expert_ffn = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": expert_ffn,
+            "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", expert_ffn) or expert_ffn),
+            # llama.cpp's qwen3moe graph renormalises the top-k weights unless told otherwise.
+            "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            "decoder_sparse_step": 1, "mlp_only_layers": dense_layers}
+
+
+def _hf_config_from_gguf(reader: Any, arch: str, tied: bool, dense_layers: list[int] | None = None) -> Any:
     import transformers
 
-    hf_arch, config_cls, _ = GGUF_ARCHITECTURES[arch]
+    hf_arch, config_cls, _ = gguf_hf_architecture(reader)
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -205,7 +262,7 @@ def _hf_config_from_gguf(reader: Any, arch: str, tied: bool) -> Any:
         architectures=[hf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", 0) or 0),
         num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -219,6 +276,7 @@ def _hf_config_from_gguf(reader: Any, arch: str, tied: bool) -> Any:
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
         torch_dtype="float32",
     )
+    kwargs.update(_moe_config_fields(reader, arch, hf_arch, dense_layers or []))
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
@@ -232,35 +290,49 @@ def _write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize every tensor to float32, rename it, and write config, weights, tokenizer."""
     import gguf
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        config, tensors = gguf_to_hf(reader, gguf_path.name)
+    except ValueError as exc:
+        raise ValueError(f"{gguf_path.name}: {exc}") from None
+    config.save_pretrained(str(out_dir))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    _write_tokenizer(gguf_path, reader, out_dir)
+
+
+def gguf_to_hf(reader: Any, label: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The HF config and float32 HF-named tensors of an open GGUF file."""
+    import gguf
+    from tqdm import tqdm
+
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    permuted = GGUF_ARCHITECTURES[arch][2]
+    hf_arch, _, permuted = gguf_hf_architecture(reader)
+    mixtral = hf_arch == GGUF_MIXTRAL[0]
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
-        try:
-            name = gguf_tensor_name_to_hf(t.name)
-        except (KeyError, ValueError):
-            raise ValueError(f"{gguf_path.name}: GGUF tensor {t.name!r} has no Hugging Face counterpart "
-                             f"in fdserve's {arch} converter") from None
+    for t in tqdm(reader.tensors, desc=f"Converting {label}", unit="tensor"):
         weight = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=True))
+        experts = gguf_expert_tensors(t.name, weight, mixtral)
+        if experts is not None:
+            tensors.update(experts)
+            continue
+        try:
+            name = gguf_tensor_name_to_hf(t.name, mixtral)
+        except (KeyError, ValueError):
+            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart "
+                             f"in fdserve's {arch} converter") from None
         if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             weight = _unpermute_rope_rows(weight, num_heads)
         elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = _unpermute_rope_rows(weight, num_kv_heads)
         tensors[name] = weight.contiguous()
     tied = "lm_head.weight" not in tensors
-    config = _hf_config_from_gguf(reader, arch, tied)
-    config.save_pretrained(str(out_dir))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    _write_tokenizer(gguf_path, reader, out_dir)
+    # Qwen3-MoE layers with a dense MLP: those that carry `mlp.gate_proj`.
+    dense_layers = sorted(int(n.split(".")[2]) for n in tensors if n.endswith(".mlp.gate_proj.weight"))
+    return _hf_config_from_gguf(reader, arch, tied, dense_layers), tensors
 
 
 def _write_tokenizer(gguf_path: Path, reader: Any, out_dir: Path) -> None:

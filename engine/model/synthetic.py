@@ -49,6 +49,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # 128 experts, 8 active (~3.3B active of 30.5B parameters), q/k norm; every layer sparse.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_theta=10000000.0, tie_word_embeddings=False, torch_dtype="bfloat16"),
     # A few MB, same code path (GQA 2:1, llama3 RoPE scaling): for CI and CPU smoke runs.
     "tiny": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
@@ -56,6 +63,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 1024},
         tie_word_embeddings=False, torch_dtype="float32"),
+    "tiny-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=512, hidden_size=128,
+        intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="float32"),
 }
 
 

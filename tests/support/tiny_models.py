@@ -34,17 +34,17 @@ def make_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE, extra_
     return fast
 
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_tied", "qwen3_moe", "mixtral")
 
 
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers: int = 2,
                     max_position_embeddings: int = 2048, chat_template: str = CHATML_TEMPLATE,
-                    extra_tokens: tuple[str, ...] = ()) -> Path:
-    """Save a tiny random model of `family` (hidden 64, 4 q heads / 2 KV heads) plus tokenizer
-    (`extra_tokens` get ids 259, 260, ...)."""
+                    extra_tokens: tuple[str, ...] = (), hidden_size: int = 64) -> Path:
+    """Save a tiny random model of `family` (hidden 64 unless given, 4 q heads / 2 KV heads) plus
+    tokenizer (`extra_tokens` get ids 259, 260, ...)."""
     import transformers as tf
 
-    common = dict(vocab_size=259 + len(extra_tokens), hidden_size=64, intermediate_size=128,
+    common = dict(vocab_size=259 + len(extra_tokens), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_position_embeddings,
                   bos_token_id=257, eos_token_id=258, pad_token_id=256, rms_norm_eps=1e-6)
@@ -63,8 +63,17 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers
         config = tf.Qwen2Config(**common, tie_word_embeddings=False)
         cls = tf.Qwen2ForCausalLM
     elif family == "qwen3":
-        config = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        config = tf.Qwen3Config(**common, head_dim=hidden_size // 4, tie_word_embeddings=False)
         cls = tf.Qwen3ForCausalLM
+    elif family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), the others sparse
+        config = tf.Qwen3MoeConfig(**common, head_dim=hidden_size // 4, tie_word_embeddings=False, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                                   decoder_sparse_step=1, mlp_only_layers=[1] if num_layers > 1 else [])
+        cls = tf.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        config = tf.MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=8,
+                                  num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False)
+        cls = tf.MixtralForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     torch.manual_seed(seed)
