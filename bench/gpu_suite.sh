@@ -3,9 +3,13 @@
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
 # 2 minutes) is bench/ffd_floor.py.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e]
 # "fp8" (about 9 minutes): FP8 KV pages, kernels against the float32 oracle and timed, then the
 # end-to-end rows over bf16 and FP8 pages side by side.
+# "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
+# Qwen3-30B-A3B's expert shape, checks them against float32 and times them against a per-expert
+# cuBLAS loop; "moe_e2e" (about 8 minutes): synthetic:qwen3-30b-a3b end to end (batch 1 at 1K and
+# 16K, 32 concurrent 4K requests).
 set -u
 OUT=${1:-bench/results/gpu_suite}
 PART=${2:-all}
@@ -47,4 +51,18 @@ if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
     step 200 fp8_concurrency_32x16k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
         --set backend.max_num_batched_tokens=16384 --context-len 16384 --max-tokens 64 --repeat 1 \
         --warmup 0 --num-requests 32 --variants flash,flash+fp8_e4m3,flash+fp8_e5m2 --out "$OUT/fp8_concurrency_32x16k.json"
+fi
+if [ "$PART" = moe ] || [ "$PART" = all ]; then
+    step 220 moe_tests python -m pytest -q tests/kernels/test_moe.py tests/engine/test_moe_gpu.py
+    step 330 moe_kernels python bench/moe.py --tune --quick --check --bench --out "$OUT"
+fi
+if [ "$PART" = moe_e2e ] || [ "$PART" = all ]; then
+    M="--model synthetic:qwen3-30b-a3b --no-plot"
+    step 150 moe_latency_1k python -m bench.e2e latency $M --set backend.max_num_seqs=4 --context-len 1024 \
+        --max-tokens 96 --repeat 2 --variants standard,flash --out "$OUT/moe_latency_1k.json"
+    step 130 moe_latency_16k python -m bench.e2e latency $M --set backend.max_num_seqs=4 --context-len 16384 \
+        --max-tokens 96 --repeat 2 --variants flash,ffd --out "$OUT/moe_latency_16k.json"
+    step 180 moe_concurrency_32x4k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
+        --set backend.max_num_batched_tokens=16384 --context-len 4096 --max-tokens 64 --repeat 1 \
+        --warmup 0 --num-requests 32 --variants flash --out "$OUT/moe_concurrency_32x4k.json"
 fi

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "model's, e.g. qkv_proj=4096x6144,o_proj=4096x4096")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per timing (median)")
     parser.add_argument("--quick", action="store_true", help="a smaller config grid (about 4x faster)")
+    parser.add_argument("--moe", action="store_true", help="tune the fused mixture-of-experts kernels at the "
+                        "model's expert shape instead (writes $FDSERVE_CACHE_DIR/moe_table-<gpu>.json; "
+                        "--m defaults to 1..4096)")
 
 
 # ----- shapes ----------------------------------------------------------------------------------
@@ -259,6 +262,8 @@ def run(config: FdserveConfig, args: argparse.Namespace) -> int:
               f"machine has none (torch {torch.__version__} sees no CUDA/ROCm device). Run it on the GPU "
               f"that will serve; without a table the server uses cuBLAS for every linear layer.", file=sys.stderr)
         return 1
+    if args.moe:
+        return _run_moe(config, args)
     from engine.worker.device import select_dtype
     from kernels.gemm.dispatch import default_table_path
 
@@ -274,14 +279,52 @@ def run(config: FdserveConfig, args: argparse.Namespace) -> int:
           f"shapes {shapes}", file=sys.stderr)
     start = time.perf_counter()
     table, failures = tune_shapes(shapes, ms, dtype, double_buffer, reps=args.reps, quick=args.quick)
-    table.meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(sys.argv), "torch": torch.__version__, "margin": MARGIN}
+    table.meta = {**_created(), "margin": MARGIN}
     out = Path(args.output) if args.output else default_table_path(table.gpu)
+    return _write_table(table.to_json(), out, start, failures, "fdserve tune: kernel results differ from the "
+                        "fp32 product (these configs were left out)")
+
+
+def _created() -> dict[str, str]:
+    import torch
+
+    return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv), "torch": torch.__version__}
+
+
+def _write_table(data: dict[str, Any], out: Path, start: float, failures: list[str], failure_title: str) -> int:
+    """Write a tuned table; 1 (after listing them) when some configs failed their correctness check."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(table.to_json(), indent=1), encoding="utf-8")
+    out.write_text(json.dumps(data, indent=1), encoding="utf-8")
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     if failures:
-        print("fdserve tune: kernel results differ from the fp32 product (these configs were left out):\n  "
-              + "\n  ".join(failures), file=sys.stderr)
+        print(f"{failure_title}:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     return 0
+
+
+def _run_moe(config: FdserveConfig, args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.tools.tune_moe import DEFAULT_MOE_MS, model_moe_shape, tune_moe
+    from engine.worker.device import select_dtype
+    from kernels.moe.config import default_table_path
+
+    _, hf_config = model_shapes(config.model.name)
+    shape = model_moe_shape(hf_config)
+    if shape is None:
+        print(f"fdserve tune --moe: {config.model.name or 'the embedded default'} has no mixture-of-experts "
+              f"layers; run it with a MoE model (e.g. --set model.name=synthetic:qwen3-30b-a3b)", file=sys.stderr)
+        return 1
+    explicit_m = args.m != ",".join(map(str, DEFAULT_MS))
+    ms = sorted({int(v) for v in str(args.m).split(",") if v.strip()}) if explicit_m else list(DEFAULT_MOE_MS)
+    dtype = select_dtype(config.model.dtype, torch.device("cuda"), getattr(hf_config, "torch_dtype", None))
+    print(f"fdserve tune --moe: {torch.cuda.get_device_name()} {dtype}, (experts, top-k, hidden, "
+          f"intermediate) {shape}, M {ms}", file=sys.stderr)
+    start = time.perf_counter()
+    table, failures = tune_moe(shape, ms, dtype, reps=args.reps, quick=args.quick,
+                               log=lambda line: print(line, file=sys.stderr))
+    table.meta = _created()
+    out = Path(args.output) if args.output else default_table_path(table.gpu)
+    return _write_table(table.to_json(), out, start, failures, "fdserve tune --moe: kernel results differ from "
+                        "the float32 reference (these configs were left out)")
