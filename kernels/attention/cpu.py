@@ -170,21 +170,40 @@ def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
     if not native:
         keys = [k.to(compute) for k in keys]
         values = [v.to(compute) for v in values]
-    qg = q.view(num_kv_heads, group, head_dim).to(keys[0].dtype)
-    if keys[0].dtype == compute:   # one batched matmul over the KV heads of each piece
-        scores = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in keys], dim=-1)
-    else:                          # half pages in place: bf16 batched matmuls over strided heads are slow
-        scores = torch.cat([torch.stack([qg[h] @ k[:, h].t() for h in range(num_kv_heads)]) for k in keys], dim=-1)
-    probs = torch.softmax(scores.to(compute).mul_(scale), dim=-1)   # [Hkv, G, length]
+    if keys[0].dtype != compute:
+        return _attend_half(q, keys, values, scale, group)
+    qg = q.view(num_kv_heads, group, head_dim).to(compute)
+    # one batched matmul over the KV heads of each piece
+    scores = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in keys], dim=-1)
+    probs = torch.softmax(scores.mul_(scale), dim=-1)   # [Hkv, G, length]
     out = torch.zeros(num_kv_heads, group, head_dim, dtype=compute, device=q.device)
     offset = 0
     for v in values:
-        p = probs[..., offset:offset + v.shape[0]]
+        out += torch.matmul(probs[..., offset:offset + v.shape[0]], v.permute(1, 0, 2))
         offset += v.shape[0]
-        if v.dtype == compute:
-            out += torch.matmul(p, v.permute(1, 0, 2))
-        else:
-            out += torch.stack([p[h].to(v.dtype) @ v[:, h] for h in range(num_kv_heads)]).to(compute)
+    return out.view(-1, head_dim).to(q.dtype)
+
+
+def _attend_half(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+                 group: int) -> torch.Tensor:
+    """`_attend_one` on half-precision pages in place: every query head against every KV head of a
+    piece in one contiguous GEMM ([Hq, D] x [n * Hkv, D]ᵀ, then [Hq, n] x [n, Hkv * D]) and each
+    head's own KV head taken from the result. That multiplies Hkv times the needed flops but reads
+    each piece once, contiguously; per-head products over the strided [n, D] slices cost 1.25x as
+    much on a 2-core AVX512/AMX CPU at 6K tokens."""
+    num_kv_heads, head_dim = keys[0].shape[1], keys[0].shape[2]
+    num_heads = q.shape[0]
+    qh = q.to(keys[0].dtype)
+    scores = torch.cat([torch.diagonal((qh @ k.reshape(-1, head_dim).t()).view(num_kv_heads, group, -1, num_kv_heads),
+                                       dim1=0, dim2=3) for k in keys], dim=1)   # [G, length, Hkv]
+    probs = torch.softmax(scores.permute(2, 0, 1).float().mul_(scale), dim=-1)   # [Hkv, G, length]
+    out = torch.zeros(num_kv_heads, group, head_dim, dtype=torch.float32, device=q.device)
+    offset = 0
+    for v in values:
+        p = probs[..., offset:offset + v.shape[0]].reshape(num_heads, -1).to(v.dtype)
+        offset += v.shape[0]
+        both = (p @ v.reshape(v.shape[0], -1)).view(num_kv_heads, group, num_kv_heads, head_dim)
+        out += torch.diagonal(both, dim1=0, dim2=2).permute(2, 0, 1).float()
     return out.view(-1, head_dim).to(q.dtype)
 
 
