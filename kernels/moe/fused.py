@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.moe.align import align_pairs
 from kernels.moe.config import MoeConfig, moe_config
-from kernels.vendor import interpreting
+from kernels.vendor import check_launch_options, interpreting
 
 SUM_BLOCK = 1024   # hidden features per program of the top-k sum
 
@@ -188,6 +188,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_tokens == 0:
         return out
     cfg = config or moe_config(num_tokens, num_experts, top_k, hidden, inter, x.device, x.dtype)
+    check_launch_options(cfg.extra, x.device)
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     hidden_states = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **cfg.extra}

@@ -122,6 +122,18 @@ def test_fused_moe_bf16(impl: str) -> None:
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and not torch.version.hip,
+                    reason="AMD launch options run on AMD GPUs or in the interpreter")
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_amd_default_configs_run(tokens: int) -> None:
+    cfg = default_config(tokens, 8, 2, "amd")
+    assert cfg.extra and cfg.impl == ("pairs" if tokens == 1 else "gemm")
+    x, w13, w2, logits = operands(tokens, 8, 64, 48, torch.float32, seed=tokens)
+    weights, ids = route_topk(logits, 2, renormalize=True)
+    ref = moe_reference(x, w13, w2, weights, ids, compute_dtype=torch.float64)
+    assert rel_err(fused_moe(x, w13, w2, weights, ids, cfg), ref) < TOL[torch.float32]
+
+
 def test_experts_without_tokens_and_a_single_busy_expert() -> None:
     x, w13, w2, _ = operands(21, 8, 64, 32, torch.float32, seed=3)
     ids = torch.full((21, 1), 5, dtype=torch.int32, device=DEVICE)   # every token to expert 5
