@@ -32,7 +32,7 @@ from engine.model.layers import (
     divide,
     get_tp_rank_and_size,
 )
-from engine.model.moe import ALL_EXPERTS, FusedExperts, SparseMoeBlock, expert_param_name, moe_spec, router_param_name
+from engine.model.moe import ALL_EXPERTS, FusedExperts, SparseMoeBlock, expert_param_name, moe_checkpoint_name, moe_spec
 from engine.model.rope import get_rope_parameters
 
 if TYPE_CHECKING:
@@ -210,14 +210,14 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 continue  # some tied checkpoints store the shared matrix twice
-            name, shard_id = router_param_name(ckpt_name), None
-            expert = expert_param_name(ckpt_name)
+            name, shard_id = moe_checkpoint_name(ckpt_name), None
+            expert = expert_param_name(name)
             if expert is not None:
                 name, shard_id = expert
             else:
                 for fused, proj, sid in STACKED_PARAMS:
-                    if f".{proj}." in ckpt_name:
-                        name, shard_id = ckpt_name.replace(f".{proj}.", f".{fused}."), sid
+                    if f".{proj}." in name:
+                        name, shard_id = name.replace(f".{proj}.", f".{fused}."), sid
                         break
             param = params.get(name)
             if param is None:

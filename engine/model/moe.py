@@ -62,9 +62,14 @@ def moe_spec(cfg: PretrainedConfig, layer_idx: int) -> MoeSpec | None:
     return None
 
 
-def expert_param_name(ckpt_name: str) -> tuple[str, Any] | None:
-    """Checkpoint expert tensor -> (our parameter name, shard id), None for any other tensor."""
-    name = ckpt_name.replace(".block_sparse_moe.", ".mlp.")
+def moe_checkpoint_name(ckpt_name: str) -> str:
+    """Mixtral's `block_sparse_moe.` block is our `mlp.` (its router `gate` and its experts)."""
+    return ckpt_name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def expert_param_name(name: str) -> tuple[str, Any] | None:
+    """Expert tensor (named as `moe_checkpoint_name` gives it) -> (our parameter name, shard id);
+    None for any other tensor."""
     if (m := _PER_EXPERT.match(name)) is not None:
         role = _ROLE[m["proj"]]
         param = "w2_weight" if role == "down" else "w13_weight"
@@ -73,11 +78,6 @@ def expert_param_name(ckpt_name: str) -> tuple[str, Any] | None:
         param = "w13_weight" if m["proj"] == "gate_up_proj" else "w2_weight"
         return f"{m['prefix']}mlp.experts.{param}", ALL_EXPERTS
     return None
-
-
-def router_param_name(ckpt_name: str) -> str:
-    """Mixtral's `block_sparse_moe.gate.weight` is our `mlp.gate.weight`."""
-    return ckpt_name.replace(".block_sparse_moe.", ".mlp.")
 
 
 class Router(HasWeight):

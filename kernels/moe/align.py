@@ -28,7 +28,6 @@ class AlignedPairs:
     sorted_pair_ids: torch.Tensor   # int32 [max_blocks * block_m]
     block_expert: torch.Tensor      # int32 [max_blocks]
     num_blocks: torch.Tensor        # int32 [1]
-    block_m: int
 
     @property
     def max_blocks(self) -> int:
@@ -93,4 +92,4 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, num_blocks, num_pairs, num_experts,
                         max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
                         CHUNK=PAIRS_PER_CHUNK, BLOCK_B=32, num_warps=4)
-    return AlignedPairs(sorted_ids, block_expert, num_blocks, block_m)
+    return AlignedPairs(sorted_ids, block_expert, num_blocks)

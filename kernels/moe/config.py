@@ -131,7 +131,9 @@ def find_table_path(gpu_name: str) -> Path:
 
 
 @functools.cache
-def _table_for(path: Path) -> MoeTable | None:
+def _device_table(device_index: int) -> MoeTable | None:
+    """The table for the GPU at `device_index`, looked up once (a MoE layer asks on every eager step)."""
+    path = find_table_path(torch.cuda.get_device_name(device_index))
     if not path.is_file():
         return None
     try:
@@ -143,13 +145,11 @@ def _table_for(path: Path) -> MoeTable | None:
 def moe_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     """The config a `fused_moe` call of this shape launches with on `device`."""
-    element_bytes = torch.empty(0, dtype=dtype).element_size()
     if device.type != "cuda":
-        return default_config(num_tokens, num_experts, top_k, "cpu", element_bytes)
-    gpu = torch.cuda.get_device_name(device)
-    table = _table_for(find_table_path(gpu))
+        return default_config(num_tokens, num_experts, top_k, "cpu", dtype.itemsize)
+    table = _device_table(torch.cuda.current_device() if device.index is None else device.index)
     if table is not None and table.dtype == str(dtype).removeprefix("torch."):
         found = table.lookup((num_experts, top_k, hidden, inter), num_tokens)
         if found is not None:
             return found
-    return default_config(num_tokens, num_experts, top_k, detect_vendor(), element_bytes)
+    return default_config(num_tokens, num_experts, top_k, detect_vendor(), dtype.itemsize)
