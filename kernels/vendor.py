@@ -66,10 +66,14 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_m: int = 64          # query tokens per program
+    """Launch shape of the paged prefill kernel for one head_dim."""
+
+    block_m: int = 64          # query rows per program (tokens x packed heads)
     block_n: int = 64          # KV tokens per tile
     num_warps: int = 4
     num_stages: int = 2
+    pack: int = 1              # most query heads of one KV head packed into a tile's rows
+    tma: bool = False          # TMA loads where pages hold whole KV tiles (compute capability 9.0+)
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -79,6 +83,11 @@ class VendorConfigs:
     decode: DecodeConfig
     prefill: PrefillConfig
     store_warps: int = 4
+    prefill_by_head_dim: dict[int, PrefillConfig] = field(default_factory=dict)
+
+    def prefill_for(self, head_dim: int) -> PrefillConfig:
+        """The prefill launch shape for `head_dim` (`prefill` where none is specific)."""
+        return self.prefill_by_head_dim.get(head_dim, self.prefill)
 
 
 def _amd_extra(waves_per_eu: int) -> dict[str, int]:
@@ -86,7 +95,11 @@ def _amd_extra(waves_per_eu: int) -> dict[str, int]:
 
 
 _CONFIGS = {
-    "nvidia": VendorConfigs("nvidia", DecodeConfig(), PrefillConfig()),
+    # Prefill: the H200 sweep of bench/prefill_kernels.py (bench/RESULTS.md); D=256 keeps its tiles
+    # in shared memory with narrower KV tiles (not measured).
+    "nvidia": VendorConfigs("nvidia", DecodeConfig(),
+                            PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack=4, tma=True),
+                            prefill_by_head_dim={256: PrefillConfig(block_m=64, block_n=32, pack=4)}),
     # CDNA: 64 KB LDS per CU, so one pipeline stage and narrower KV tiles; MFMA 16x16 instructions.
     "amd": VendorConfigs(
         "amd",

@@ -262,7 +262,9 @@ class DenseBackend(AttentionBackend):
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
         if self.triton:
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                     metadata.query_start_loc, scale=scale, config=self.configs.prefill,
+                                     metadata.query_start_loc, scale=scale,
+                                     max_query_len=metadata.max_query_len,
+                                     config=self.configs.prefill_for(q.shape[-1]),
                                      **self._scales(layer_idx))
         if self.cpu_fused:
             return cpu.prefill_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,

@@ -1,16 +1,21 @@
 """Causal attention of prefill chunks over paged KV (chunked prefill and prefix-cache hits).
 
 Each sequence's new tokens are the last `q_len` of its `seq_lens[b]` context tokens, whose K/V
-(cached prefix and new tokens alike) are already in the pages. One program per (query tile,
-sequence, query head) walks the pages up to the tile's causal limit with an online softmax, so
-no page is gathered into a contiguous copy. Query heads of one KV head re-read that head's pages
-(from L2 mostly); packing them into one tile as the decode kernels do is the next step.
+(cached prefix and new tokens alike) are already in the pages. One program owns a tile of
+`BLOCK_M` rows, `PACK` query heads of one KV head times `BLOCK_M / PACK` consecutive tokens, and
+walks the pages with an online softmax in two loops: the keys before the tile's first token, which
+every row sees (no mask), then the few tiles on the diagonal (masked). Keys above the diagonal are
+never visited. Programs of the heaviest (last) query tiles start first, and all heads of one tile
+are launched together so the KV pages they share are read from L2. Where pages hold whole KV
+tiles (`block_size` a multiple of `block_n`) on Hopper-class GPUs, the unmasked loop loads them
+with TMA bulk copies.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.attention.kv_quant import check_scales, is_fp8
 from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile
@@ -18,54 +23,118 @@ from kernels.vendor import PrefillConfig, check_launch_options, configs_for, int
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE,
+def _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, pos_m, score_scale,
+                 stride_kb, stride_kt, stride_kh,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 UPCAST: tl.constexpr, CAUSAL_MASK: tl.constexpr, TMA: tl.constexpr):
+    """Fold keys [lo, hi) into the online softmax (log2 units); CAUSAL_MASK for the diagonal.
+
+    TMA (tiles within one page, unmasked loop only): each tile is one bulk copy of a page's rows
+    through the caches' tensor descriptors [blocks * PAGE, Hkv * D]; the diagonal's masked tiles
+    keep pointer loads, whose masked-off tokens read as 0 (unwritten slots may hold NaN)."""
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        if TMA and not CAUSAL_MASK:
+            row = tl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+            k = K_DESC.load([row, hk * D])
+            v = V_DESC.load([row, hk * D])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            valid = tl.full([BLOCK_N], 1, tl.int1)
+        else:
+            k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
+                                       PAGE, BLOCK_N, D, UPCAST)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if CAUSAL_MASK:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            visible = valid[None, :] & (offs_n[None, :] <= pos_m[:, None])
+            s = tl.where(visible, s * score_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))     # key 0 is visible to every row: m is finite
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1) * score_scale)
+            p = tl.exp2(s * score_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                     stride_ot, stride_oh, scale_log2,
-                    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                    HAS_SCALE: tl.constexpr):
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+                    GROUP: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr, TMA: tl.constexpr):
+    TOKENS: tl.constexpr = BLOCK_M // PACK
+    head0 = tl.program_id(0) * PACK
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)      # heaviest tiles first
+    b = tl.program_id(2)
     q_start = tl.load(QSL + b)
     q_len = tl.load(QSL + b + 1) - q_start
-    if tile * BLOCK_M < q_len:
+    if tile * TOKENS < q_len:
         L = tl.load(SEQ + b)
         first_pos = L - q_len
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = tile * TOKENS + rows // PACK
+        heads = head0 + rows % PACK
         m_ok = offs_m < q_len
         pos_m = first_pos + offs_m
         d = tl.arange(0, D)
         tok = (q_start + offs_m).to(tl.int64)
-        q = tl.load(Q + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=m_ok[:, None], other=0.0)
+        q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=m_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        hk = h // GROUP
+        hk = head0 // GROUP
         k_scale, v_scale = head_scales(K_SCALE, V_SCALE, hk, HAS_SCALE)
         score_scale = scale_log2 * k_scale
         if HAS_SCALE:
             q = fp8_queries(q, score_scale, tl.float16, UPCAST)
             score_scale = 1.0
         bt_row = BT + b.to(tl.int64) * stride_bt
-        hi = tl.minimum(L, first_pos + (tile + 1) * BLOCK_M)     # the tile's last row sees up to here
+        tile_first = first_pos + tile * TOKENS
+        hi = tl.minimum(L, tile_first + TOKENS)             # the tile's last row sees up to here
+        lo = (tile_first // BLOCK_N) * BLOCK_N              # every row sees all keys before lo
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for start in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
-            k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,
-                                       PAGE, BLOCK_N, D, UPCAST)
-            offs_n = start + tl.arange(0, BLOCK_N)
-            visible = valid[None, :] & (offs_n[None, :] <= pos_m[:, None])
-            s = tl.where(visible, tl.dot(q, tl.trans(k.to(q.dtype))) * score_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))      # key 0 is visible to every row: m is finite
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m = m_new
+        m, denom, acc = _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, 0, lo, hk, pos_m,
+                                     score_scale, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, D,
+                                     NUM_STAGES, UPCAST, CAUSAL_MASK=False, TMA=TMA)
+        m, denom, acc = _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, pos_m,
+                                     score_scale, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, D,
+                                     NUM_STAGES, UPCAST, CAUSAL_MASK=True, TMA=TMA)
         out = acc * (v_scale / denom)[:, None]
-        tl.store(OUT + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+        tl.store(OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
+
+
+def heads_per_tile(group: int, max_pack: int, block_m: int) -> int:
+    """The largest power of two dividing the GQA group, at most `max_pack` and `block_m`."""
+    pack = 1
+    while pack * 2 <= min(max_pack, block_m) and group % (pack * 2) == 0:
+        pack *= 2
+    return pack
+
+
+def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int,
+                    enabled: bool) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Tensor descriptors [blocks * PAGE, Hkv * D] of the caches when the config asks for TMA and
+    the layout allows it: KV tiles that never straddle a page, contiguous caches, and a GPU with
+    the copy engine (compute capability 9.0+) or the interpreter."""
+    page, num_kv_heads, head_dim = k_cache.shape[1:]
+    if not enabled or page % block_n or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if not interpreting() and (k_cache.device.type != "cuda" or torch.version.hip
+                               or torch.cuda.get_device_capability(k_cache.device)[0] < 9):
+        return None
+    rows = k_cache.shape[0] * page
+    return tuple(TensorDescriptor(c.view(rows, num_kv_heads * head_dim), [rows, num_kv_heads * head_dim],
+                                  [num_kv_heads * head_dim, 1], [block_n, head_dim])
+                 for c in (k_cache, v_cache))  # type: ignore[return-value]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,7 +146,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     Same contract as `kernels.attention.reference.prefill_attention_ref`. `max_query_len` sizes the grid;
     when omitted it is read from `query_start_loc` (one device sync). FP8 pages come with their
-    per-head float32 `k_scale` / `v_scale` [Hkv].
+    per-head float32 `k_scale` / `v_scale` [Hkv]. `config` defaults to the vendor's for this head_dim.
     """
     check_scales(k_cache, k_scale, "prefill attention")
     check_scales(v_cache, v_scale, "prefill attention")
@@ -91,17 +160,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("head_dim must be a power of two >= 16 and the caches must share strides")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    cfg = config or configs_for(q.device).prefill
+    cfg = config or configs_for(q.device).prefill_for(head_dim)
     check_launch_options(cfg.extra, q.device)
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_query_len)))
-    block_n = cfg.block_n if head_dim <= 128 else min(cfg.block_n, 32)   # D=256: keep tiles in smem
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    group = num_heads // num_kv_heads
+    # Short chunks: fewer rows per tile, and the group's heads fill them instead of padding.
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_query_len * group)))
+    pack = heads_per_tile(group, cfg.pack, block_m)
+    tokens = block_m // pack
+    grid = (num_heads // pack, triton.cdiv(max_query_len, tokens), batch)
+    descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, cfg.tma)
+    k_desc, v_desc = descriptors or (k_cache, v_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, k_desc, v_desc, block_tables, seq_lens, query_start_loc, out,
         seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
-        GROUP=num_heads // num_kv_heads, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_STAGES=cfg.num_stages, UPCAST=interpreting(), HAS_SCALE=is_fp8(k_cache.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+        GROUP=group, PACK=pack, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, UPCAST=interpreting(), HAS_SCALE=is_fp8(k_cache.dtype),
+        TMA=descriptors is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
     return out
