@@ -3,6 +3,7 @@
     latency      one long request, not streamed: per-token decode latency
                  ((total - TTFT) / (tokens - 1)), TTFT and total, per attention variant
     concurrency  N requests at once: generated tokens/s in total, per attention variant
+    prefill      time to the first token per prompt length, per variant (bench/ttft.py)
     serve        a sweep against a running server over HTTP (see bench/serve.py)
 
 Every engine variant is a fresh `LLM(config, **overrides)` (the engine reads [flashdecoding]
@@ -347,7 +348,7 @@ def _variant_list(text: str) -> list[str]:
     return names
 
 
-def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int, max_tokens: int) -> None:
+def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int | None, max_tokens: int) -> None:
     p.add_argument("--model", help="[model] name: HF folder, .gguf, synthetic:llama-3.1-8b, synthetic:tiny "
                                    "(default: the config's, else the embedded default)")
     p.add_argument("--config", help="config.toml (default: $FDSERVE_CONFIG, else ./config.toml if present)")
@@ -356,7 +357,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int, max_toke
     p.add_argument("--variants", type=_variant_list, default=["standard", "flash"],
                    help=f"comma-separated, from {', '.join(VARIANTS)}, each optionally +fp8_e4m3 / +fp8_e5m2 "
                         "for an FP8 KV cache (default: standard,flash)")
-    p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens per request")
+    if context_len is not None:
+        p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="generated tokens per request (ignore_eos)")
     p.add_argument("--repeat", type=int, default=3, help="measured runs per variant; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests per variant")
@@ -366,6 +368,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser, context_len: int, max_toke
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `fdserve bench` arguments: one sub-mode per measurement."""
     from bench.serve import add_serve_arguments
+    from bench.ttft import add_prefill_arguments
 
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     latency = modes.add_parser("latency", help="per-token latency of one long request, per variant")
@@ -375,6 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     concurrency = modes.add_parser("concurrency", help="total tokens/s of N concurrent requests, per variant")
     _add_engine_arguments(concurrency, context_len=1024, max_tokens=128)
     concurrency.add_argument("--num-requests", type=int, default=8, help="concurrent requests")
+    prefill = modes.add_parser("prefill", help="time to the first token per prompt length, per variant")
+    _add_engine_arguments(prefill, context_len=None, max_tokens=16)
+    add_prefill_arguments(prefill)
     add_serve_arguments(modes.add_parser("serve", help="TTFT/TPOT/ITL and tok/s against a running server"))
     for sub in modes.choices.values():
         sub.add_argument("--out", type=Path, help="JSON path (default: bench/results/e2e_<mode>.json); "
@@ -392,6 +398,10 @@ def run(args: argparse.Namespace) -> int:
         if args.mode == "serve":
             result = run_serve(args)
             table = format_serve_table(result)
+        elif args.mode == "prefill":
+            from bench.ttft import format_prefill_table, run_prefill_bench
+            result = run_prefill_bench(args)
+            table = format_prefill_table(result)
         else:
             result = run_engine_bench(args)
             table = format_table(result)

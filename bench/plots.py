@@ -87,4 +87,34 @@ def plot_serve(result: dict[str, Any], path: Path) -> Path:
 def plot_result(result: dict[str, Any], path: Path) -> Path:
     """Write the plot for any `fdserve bench` result to `path` (PNG) and return it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if result["mode"] == "prefill":
+        return plot_prefill(result, path)
     return plot_serve(result, path) if result["mode"] == "serve" else plot_variants(result, path)
+
+
+def plot_prefill(result: dict[str, Any], path: Path) -> Path:
+    """TTFT against prompt length per variant (log-log), and each over transformers where measured."""
+    rows = [r for r in result["variants"] if r["available"]]
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for row in rows:
+        xs = [p["context_len"] for p in row["points"]]
+        axes[0].plot(xs, [p["ttft_ms"] / 1e3 for p in row["points"]], marker="o", label=row["name"])
+        ratios = [p.get("ttft_vs_transformers") for p in row["points"]]
+        if any(ratios):
+            axes[1].plot(xs, [float("nan") if r is None else r for r in ratios], marker="o", label=row["name"])
+    axes[0].set_ylabel("time to first token (s)")
+    axes[0].set_yscale("log")
+    axes[1].set_ylabel("TTFT / transformers TTFT (lower is faster)")
+    axes[1].axhline(1.0, color="#777777", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"fdserve bench prefill: model {result['model']}; {result['machine']['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

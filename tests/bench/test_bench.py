@@ -99,6 +99,35 @@ def test_concurrency_warns_on_short_decode_and_shows_unavailable_variants(model_
     assert not out.with_suffix(".png").exists()
 
 
+def test_prefill_times_the_first_token_per_length_beside_transformers(model_dir, empty_config, tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    rc = main(["prefill", "--model", str(model_dir), "--config", empty_config, "--set", SMALL_KV,
+               "--variants", "flash", "--transformers", "--context-lens", "90,24", "--max-tokens", "5",
+               "--repeat", "2", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = by_name(result)
+    assert result["mode"] == "prefill" and result["settings"]["context_lens"] == [24, 90]
+    ours, hf = rows["flash"], rows["transformers"]
+    assert ours["prefix_cache_hits"] == 0   # a fresh prompt per length and repeat
+    for row in (ours, hf):
+        assert [p["context_len"] for p in row["points"]] == [24, 90]
+        for point in row["points"]:
+            low, high = point["ttft_ms_range"]
+            assert len(point["runs"]) == 2 and low <= point["ttft_ms"] <= high
+    for point, hf_point in zip(ours["points"], hf["points"], strict=True):
+        assert point["tpot_ms"] > 0
+        assert point["ttft_vs_transformers"] == pytest.approx(point["ttft_ms"] / hf_point["ttft_ms"])
+    assert "TTFT ms @ 90" in capsys.readouterr().out
+    assert_png(out.with_suffix(".png"))
+
+
+def test_prefill_rejects_bad_lengths(capsys):
+    with pytest.raises(SystemExit):
+        main(["prefill", "--context-lens", "0,12"])
+    assert "positive context lengths" in capsys.readouterr().err
+
+
 def test_serve_sweep_against_a_live_server(model_dir, tmp_path):
     from engine import AsyncEngine
     from server.app.build import build_app
