@@ -3,13 +3,15 @@
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
 # 2 minutes) is bench/ffd_floor.py.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e|prefill]
 # "fp8" (about 9 minutes): FP8 KV pages, kernels against the float32 oracle and timed, then the
 # end-to-end rows over bf16 and FP8 pages side by side.
 # "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
 # Qwen3-30B-A3B's expert shape, checks them against float32 and times them against a per-expert
 # cuBLAS loop; "moe_e2e" (about 8 minutes): synthetic:qwen3-30b-a3b end to end (batch 1 at 1K and
-# 16K, 32 concurrent 4K requests).
+# 16K, 32 concurrent 4K requests). "prefill" (about 8 minutes): the prefill kernel's GPU tests and
+# its per-layer time against SDPA, then the time to first token from 1K to 130K beside transformers,
+# with pages of 16 and of 128.
 set -u
 OUT=${1:-bench/results/gpu_suite}
 PART=${2:-all}
@@ -65,4 +67,14 @@ if [ "$PART" = moe_e2e ] || [ "$PART" = all ]; then
     step 180 moe_concurrency_32x4k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
         --set backend.max_num_batched_tokens=16384 --context-len 4096 --max-tokens 64 --repeat 1 \
         --warmup 0 --num-requests 32 --variants flash --out "$OUT/moe_concurrency_32x4k.json"
+fi
+if [ "$PART" = prefill ] || [ "$PART" = all ]; then
+    step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
+    step 110 prefill_kernels python bench/prefill_kernels.py --check --prompt --prompt-pages 16,128 --chunks 2048 \
+        --lengths 16384,131072 --out "$OUT"
+    L=1024,4096,16384,32768,65536,102400,130000
+    step 230 prefill_ttft_b16 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
+        --transformers --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b16.json"
+    step 150 prefill_ttft_b128 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
+        --set backend.block_size=128 --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b128.json"
 fi
