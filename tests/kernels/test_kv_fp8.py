@@ -10,7 +10,7 @@ from kernels import decode_attention, decode_reference, prefill_attention, prefi
 from kernels.attention import cpu
 from kernels.attention.fdpp import new_stats
 from kernels.attention.kv_quant import dequantize_kv, fp8_max, quantize_kv
-from kernels.vendor import DecodeConfig
+from kernels.vendor import DecodeConfig, PrefillConfig
 from tests.support.paged_cache import shuffled_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,15 +105,25 @@ def test_decode_reads_fp8_pages(variant, case, kv_dtype):
         assert int(options["stats"][0]) == int(ref_options["stats"][0]) == 0
 
 
+# The vendor config over pages of 16, and TMA loads of 16-key tiles from pages of 32.
+PREFILL_LOADS = {"pointer": (16, None),
+                 "tma": (32, PrefillConfig(block_m=32, block_n=16, num_stages=1, pack=4, tma=True))}
+
+
+@pytest.mark.parametrize("loads", list(PREFILL_LOADS))
 @pytest.mark.parametrize("kv_dtype", [*FP8, *FNUZ])
-def test_prefill_reads_fp8_pages(kv_dtype):
+def test_prefill_reads_fp8_pages(kv_dtype, loads):
     """Seq 0: a chunk after a cached prefix of several pages; seq 1: a first turn; seq 2: one row
     after a one-page prefix."""
+    page, config = PREFILL_LOADS[loads]
+    if config is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
     lens, q_lens = [100, 40, 17], [37, 40, 1]
-    _, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch(lens, 8, 2, 64, 16, kv_dtype, seed=5)
+    _, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch(lens, 8, 2, 64, page, kv_dtype, seed=5)
     qsl = torch.tensor([0, 37, 77, 78], dtype=torch.int32, device=k.device)
     q = torch.randn(sum(q_lens), 8, 64, device=k.device).to(torch.bfloat16)
-    out = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    out = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale,
+                            config=config)
     oracle = prefill_attention_ref(q.float(), exact_k, exact_v, tables, seq_lens, qsl, scale=0.125)
     assert rel_err(out, oracle) < TOL
     ref = prefill_attention_ref(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale)
