@@ -12,6 +12,8 @@ with TMA bulk copies.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -120,6 +122,12 @@ def heads_per_tile(group: int, max_pack: int, block_m: int) -> int:
     return pack
 
 
+@functools.cache
+def _has_tma(device_index: int | None) -> bool:
+    """An NVIDIA GPU of compute capability 9.0+ (asked once per device, not per layer call)."""
+    return not torch.version.hip and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int,
                     enabled: bool) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Tensor descriptors [blocks * PAGE, Hkv * D] of the caches when the config asks for TMA and
@@ -128,8 +136,7 @@ def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int,
     page, num_kv_heads, head_dim = k_cache.shape[1:]
     if not enabled or page % block_n or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    if not interpreting() and (k_cache.device.type != "cuda" or torch.version.hip
-                               or torch.cuda.get_device_capability(k_cache.device)[0] < 9):
+    if not interpreting() and not (k_cache.device.type == "cuda" and _has_tma(k_cache.device.index)):
         return None
     rows = k_cache.shape[0] * page
     return tuple(TensorDescriptor(c.view(rows, num_kv_heads * head_dim), [rows, num_kv_heads * head_dim],
