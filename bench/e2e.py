@@ -165,6 +165,7 @@ def measure_variant(config: Any, variant: str, args: argparse.Namespace) -> dict
                 run_requests(llm.engine, prompts(-1 - w)[:1], min(4, args.max_tokens))
             return _measure(llm.engine, variant, prompts, args)
         finally:
+            llm.engine.close()   # a tensor-parallel variant's ranks stop before the next variant starts its own
             del llm
             free_memory()
     except UNAVAILABLE_ERRORS as exc:

@@ -3,7 +3,7 @@
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
 # 2 minutes) is bench/ffd_floor.py.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e|prefill]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e|prefill|tp]
 # "fp8" (about 9 minutes): FP8 KV pages, kernels against the float32 oracle and timed, then the
 # end-to-end rows over bf16 and FP8 pages side by side.
 # "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
@@ -11,7 +11,9 @@
 # cuBLAS loop; "moe_e2e" (about 8 minutes): synthetic:qwen3-30b-a3b end to end (batch 1 at 1K and
 # 16K, 32 concurrent 4K requests). "prefill" (about 8 minutes): the prefill kernel's GPU tests and
 # its per-layer time against SDPA, then the time to first token from 1K to 130K beside transformers,
-# with pages of 16 and of 128.
+# with pages of 16 and of 128. "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
+# synthetic Llama-3.1-8B at TP = 1 and TP = 2 (batch 1 at 1K, 32 x 16K) and synthetic Llama-3.1-70B at
+# TP = 2 (batch 1 at 1K, one 32K prompt), with NVLink multicast off.
 set -u
 OUT=${1:-bench/results/gpu_suite}
 PART=${2:-all}
@@ -77,4 +79,21 @@ if [ "$PART" = prefill ] || [ "$PART" = all ]; then
         --transformers --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b16.json"
     step 150 prefill_ttft_b128 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
         --set backend.block_size=128 --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b128.json"
+fi
+if [ "$PART" = tp ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    step 300 tp_gpu_tests python -m pytest -q tests/engine/test_tensor_parallel_gpu.py
+    for TP in 1 2; do
+        M="--model synthetic:llama-3.1-8b --no-plot --set backend.tensor_parallel_size=$TP"
+        step 150 tp${TP}_latency_1k python -m bench.e2e latency $M --set backend.max_num_seqs=4 --context-len 1024 \
+            --max-tokens 128 --repeat 2 --variants flash --out "$OUT/tp${TP}_latency_1k.json"
+        step 240 tp${TP}_concurrency_32x16k python -m bench.e2e concurrency $M --set backend.max_num_seqs=32 \
+            --set backend.max_num_batched_tokens=16384 --context-len 16384 --max-tokens 64 --repeat 1 \
+            --warmup 0 --num-requests 32 --variants flash --out "$OUT/tp${TP}_concurrency_32x16k.json"
+    done
+    M="--model synthetic:llama-3.1-70b --no-plot --set backend.tensor_parallel_size=2 --set backend.max_num_seqs=4"
+    step 300 tp2_70b_latency_1k python -m bench.e2e latency $M --context-len 1024 --max-tokens 128 --repeat 2 \
+        --variants flash --out "$OUT/tp2_70b_latency_1k.json"
+    step 300 tp2_70b_latency_32k python -m bench.e2e latency $M --context-len 32768 --max-tokens 32 --repeat 1 \
+        --variants flash --out "$OUT/tp2_70b_latency_32k.json"
 fi

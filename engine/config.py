@@ -115,7 +115,7 @@ class BackendConfig(_Section):
     cuda_graph_max_batch: int = Field(256, ge=1, description="largest decode batch replayed from a graph")
     async_scheduling: bool = Field(True, description="launch decode step N+1 before reading step N's tokens")
     enable_prefix_caching: bool = True
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks (one process per GPU) the model is split over")
     cpu_threads: int | None = Field(None, ge=1)
     cpu_weight_dtype: CpuWeightDtype = Field(
         "auto", description="CPU weights: auto = bfloat16 where a startup probe finds it fast, int4 decode "
@@ -126,19 +126,23 @@ class BackendConfig(_Section):
         "auto", description="KV pages: auto = the model dtype; fp8_e4m3 / fp8_e5m2 = one byte per value, scaled "
                             "per (layer, KV head) (the fnuz variants on AMD)")
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _single_device(cls, value: int) -> int:
-        if value != 1:  # the layers are written for sharding; the process group is not wired yet
-            raise ValueError("only tensor_parallel_size = 1 is supported in this version")
-        return value
-
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
         if value & (value - 1):
             raise ValueError(f"must be a power of two (16, 32, 64, ...), got {value}")
         return value
+
+
+class DistributedConfig(_Section):
+    """Where the ranks of `tensor_parallel_size > 1` meet (torch.distributed's env:// rendezvous)."""
+
+    nnodes: int = Field(1, ge=1, description="machines the ranks are spread over, the same number on each")
+    node_rank: int = Field(0, ge=0, description="this machine's index; node 0 serves HTTP")
+    master_addr: str = Field("127.0.0.1", description="address of node 0, reachable from every node")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port on node 0; 0: a free one (one node)")
+    timeout_s: float = Field(60.0, gt=0, description="a rank that dies or stops answering is found within this")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="how long the ranks wait for each other to load")
 
 
 class ApiConfig(_Section):
@@ -158,6 +162,7 @@ class FdserveConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     flashdecoding: FlashDecodingConfig = Field(default_factory=FlashDecodingConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
 
 

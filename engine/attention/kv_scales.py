@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed.group import tp_rank_and_size
 from kernels.attention.kv_quant import fp8_max
 
 DEFAULT_SCALE = 1.0
@@ -48,9 +49,23 @@ def read_kv_amax(path: str | Path) -> dict[str, list[list[float]]] | None:
     return {"k": amax["k"], "v": amax["v"]}
 
 
+def rank_kv_heads(total: int, num_kv_heads: int) -> slice | None:
+    """The model's KV heads this tensor-parallel rank holds (`num_kv_heads` of `total`; one head on each of
+    tp / total ranks when there are fewer heads than ranks), as QKVParallelLinear splits them; None when
+    `total` heads are not what this rank's share comes from."""
+    rank, tp_size = tp_rank_and_size()
+    split = num_kv_heads * tp_size == total
+    replicated = num_kv_heads == 1 and tp_size > total and tp_size % total == 0
+    if tp_size == 1 or not (split or replicated):
+        return None
+    first = (rank // max(1, tp_size // total)) * num_kv_heads
+    return slice(first, first + num_kv_heads)
+
+
 def kv_scales(dtype: torch.dtype, num_layers: int, num_kv_heads: int, device: torch.device,
               calibration_path: str | None) -> KVScales:
-    """The scales of `dtype` pages: from the calibration file's `kv_amax` when it has them, else 1.0."""
+    """The scales of `dtype` pages: from the calibration file's `kv_amax` when it has them, else 1.0.
+    The file holds every KV head of the model; a tensor-parallel rank takes its own heads' columns."""
     amax = read_kv_amax(calibration_path) if calibration_path else None
     if amax is None:
         ones = torch.full((num_layers, num_kv_heads), DEFAULT_SCALE, dtype=torch.float32, device=device)
@@ -59,6 +74,9 @@ def kv_scales(dtype: torch.dtype, num_layers: int, num_kv_heads: int, device: to
     tensors = []
     for name in ("k", "v"):
         values = torch.tensor(amax[name], dtype=torch.float32)
+        heads = rank_kv_heads(values.shape[1], num_kv_heads) if values.dim() == 2 else None
+        if heads is not None:
+            values = values[:, heads]
         if values.shape != (num_layers, num_kv_heads):
             raise ValueError(f"{calibration_path}: kv_amax.{name} is {tuple(values.shape)}, this model has "
                              f"{num_layers} layers x {num_kv_heads} KV heads (re-run `fdserve calibrate`)")

@@ -78,6 +78,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.engine.close()
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting requests and wait (up to `timeout` s) for those in flight."""
@@ -175,6 +176,7 @@ class AsyncEngine:
         stats_at = 0.0
         try:
             while not self._stopping:
+                self.engine.check_health()   # a tensor-parallel rank lost while idle ends the engine too
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()

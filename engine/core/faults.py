@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.distributed.group import RankFailure
+
 # Failure stages, the `stage` label of fdserve_request_internal_errors in /metrics.
 STAGE_FORWARD = "forward"
 STAGE_SAMPLING = "sampling"
@@ -57,6 +59,8 @@ def raise_if_unrecoverable(exc: BaseException, num_rows: int) -> None:
     """Re-raise `exc` as EngineUnrecoverable when retrying parts of the step cannot help."""
     if isinstance(exc, EngineUnrecoverable):
         raise exc
+    if isinstance(exc, RankFailure):
+        raise EngineUnrecoverable("tensor_parallel_rank_failed", f"tensor parallelism: {describe(exc)}") from exc
     if is_device_error(exc):
         raise EngineUnrecoverable("device_error", f"device error: {describe(exc)}") from exc
     if is_out_of_memory(exc) and num_rows <= 1:

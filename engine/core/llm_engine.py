@@ -27,17 +27,18 @@ from engine.core.inflight import InFlightStep, copy_to_host
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.step_isolation import StepIsolation
-from engine.model.cpu_weights import configure_cpu_weights
-from engine.model.layers import configure_matmul, linear_shapes
-from engine.model.loader import load_model, resolve_model_dir
+from engine.model.context_len import resolve_context_len
+from engine.model.loader import resolve_model_dir
+from engine.model.sharding import check_tensor_parallel_sizes
 from engine.request.errors import ContextLengthExceeded
 from engine.request.outputs import EngineStats, RequestOutput
 from engine.request.sampling_params import SamplingParams, SamplingParamsError
 from engine.request.sequence import Sequence
 from engine.text.tokenizer import Tokenizer
-from engine.worker.device import select_device, select_dtype, select_kv_dtype
-from engine.worker.model_runner import ModelRunner, PromptHidden
+from engine.worker.model_runner import PromptHidden
 from engine.worker.sampler import Sampler
+from engine.worker.step_runner import StepRunner
+from engine.worker.worker import Worker
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -47,126 +48,77 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGITS_ROWS = 256   # prompt positions turned into [rows, vocab] logits at once (prompt logprobs)
 
 
-def _model_context_len(hf_config: PretrainedConfig) -> int:
-    return int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-
-
 class LLMEngine:
     def __init__(self, config: FdserveConfig) -> None:
         self.config = config
-        self.device, self.vendor = select_device(config.backend.gpu_vendor)
         torch.manual_seed(config.model.seed)  # the sampler's draws for requests without a seed
-        if config.backend.cpu_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.backend.cpu_threads)
         self.model_dir: Path = resolve_model_dir(config.model.name)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.dtype = select_dtype(config.model.dtype, self.device, getattr(hf_config, "torch_dtype", None),
-                                  cpu_weight_dtype=config.backend.cpu_weight_dtype)
-        self.max_context_len = self._resolve_context_len(hf_config)
+        self.max_context_len = resolve_context_len(config.model, hf_config)
         self.max_new_tokens = config.model.max_new_tokens
         self.served_model_name = config.model.served_model_name or _default_served_name(config, self.model_dir)
-        self.backend = self._make_backend()
-        self.model = load_model(self.model_dir, self.dtype, self.device, config.model.rope_scaling,
-                                self.max_context_len)
-        self.cpu_weights_text = (configure_cpu_weights(self.model, config.backend.cpu_weight_dtype, self.dtype)
-                                 if self.device.type == "cpu" else "")
-        # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
-        configure_matmul(config.flashdecoding, self.device, self.dtype, linear_shapes(self.model))
-        block_size = self.backend.page_size(config.backend.block_size)
-        if block_size != config.backend.block_size:
-            logger.info("kernel = %r: KV pages of %d tokens (backend.block_size = %d applies to the dense kernels)",
-                        config.flashdecoding.kernel, block_size, config.backend.block_size)
-        self.kv_dtype = select_kv_dtype(config.backend.kv_cache_dtype, self.dtype, self.vendor)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.backend, self.kv_dtype)
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        self.worker, self.step_runner = self._start_ranks(hf_config)
+        worker = self.worker
+        self.device, self.vendor, self.dtype = worker.device, worker.vendor, worker.dtype
+        self.backend, self.model, self.runner = worker.backend, worker.model, worker.runner
+        self.cpu_weights_text, self.kv_dtype = worker.cpu_weights_text, worker.kv_dtype
+        self.graphs_text = worker.graphs_text
+        num_blocks, block_size = worker.num_blocks, worker.block_size
         self.kv_dtype_name = str(self.kv_dtype).removeprefix("torch.")
         self.kv_cache_text = kv_cache_text(self.kv_dtype_name, self.backend)
-        self.graphs_text = self._capture_graphs()
         self.decode_path = self.graphs_text + ("; asynchronous scheduling" if config.backend.async_scheduling
                                                else "; synchronous scheduling")
         self.block_manager = BlockManager(num_blocks, block_size, config.backend.enable_prefix_caching,
-                                          on_free=self.backend.release)
+                                          on_free=self.step_runner.release_pages)
         self.scheduler = Scheduler(self.block_manager, config.backend.max_num_seqs,
                                    config.backend.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.tokenizer.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.sampler, self.max_new_tokens)
-        self.isolation = StepIsolation(self.runner, self.sampler, self.output_processor.fail_seq)
+        self.isolation = StepIsolation(self.step_runner, self.sampler, self.output_processor.fail_seq)
         self.vocab_size = min(self.tokenizer.vocab_size, int(hf_config.vocab_size))
         self.attention_counters: AttentionCounters = {}
         self.async_scheduling = config.backend.async_scheduling
         self.in_flight: InFlightStep | None = None   # a decode step launched, not yet read back
         self.num_forwarded_tokens = 0  # tokens run through the model (prefix-cache hits are not)
-        logger.info("model %s (%s) on %s, %s; context %d; KV cache %d blocks x %d tokens, %s; attention: %s; "
-                    "decode: %s", self.served_model_name, self.model_dir, self.device, self.dtype,
-                    self.max_context_len, num_blocks, block_size, self.kv_cache_text, self.backend.name,
-                    self.graphs_text)
+        tp = config.backend.tensor_parallel_size
+        logger.info("model %s (%s) on %s%s, %s; context %d; KV cache %d blocks x %d tokens, %s; attention: %s; "
+                    "decode: %s", self.served_model_name, self.model_dir, self.device,
+                    f" x {tp} ranks (tensor parallel)" if tp > 1 else "", self.dtype, self.max_context_len,
+                    num_blocks, block_size, self.kv_cache_text, self.backend.name, self.graphs_text)
 
     # ----- construction helpers -------------------------------------------------------------
-    def _resolve_context_len(self, hf_config: PretrainedConfig) -> int:
-        """The model's own length; with [model] rope_scaling, up to factor x the original length
-        (the default then), past what the checkpoint was trained for, with a warning."""
-        own = _model_context_len(hf_config)
-        wanted = self.config.model.max_context_len
-        scaling = self.config.model.rope_scaling
-        if scaling is None:
-            if wanted is not None and wanted > own:  # RoPE as trained is only defined up to max_position_embeddings
-                raise ConfigError(f"model.max_context_len: {wanted} is above what this model supports "
-                                  f"({own}, its max_position_embeddings); set max_context_len <= {own}, remove it, "
-                                  f"or set model.rope_scaling to stretch the positions")
-            return wanted or own
-        original = scaling.original_max_position_embeddings or own
-        limit = int(scaling.factor * original)
-        if wanted is not None and wanted > limit:
-            raise ConfigError(f"model.max_context_len: {wanted} is above what model.rope_scaling reaches "
-                              f"({scaling.factor:g} x {original} = {limit}); raise rope_scaling.factor or lower "
-                              f"max_context_len")
-        length = wanted or limit
-        if length > own:
-            logger.warning("model.rope_scaling (%s, factor %g over %d positions): context %d is beyond the %d tokens "
-                           "this checkpoint was trained for; output quality may drop", scaling.type, scaling.factor,
-                           original, length, own)
-        return length
+    def _start_ranks(self, hf_config: PretrainedConfig) -> tuple[Worker, StepRunner]:
+        """Rank 0's worker, and the runner the step calls: the worker's own, or with
+        `tensor_parallel_size > 1` a driver over the ranks this starts (engine/parallel/)."""
+        config = self.config
+        tp = config.backend.tensor_parallel_size
+        if tp == 1:
+            worker = Worker(config, self.model_dir, hf_config, self.max_context_len)
+            return worker, worker.runner
+        from engine.distributed.group import destroy_tensor_parallel
+        from engine.parallel.driver import TensorParallelDriver
+        from engine.parallel.launch import cpu_threads_per_rank, join_group, rank_layout, start_local_ranks
 
-    def _make_backend(self) -> AttentionBackend:
-        from engine.attention.select import make_attention_backend
-        limits = self.config.backend
-        return make_attention_backend(self.config.flashdecoding, self.device, self.vendor,
-                                      max_num_seqs=limits.max_num_seqs,
-                                      max_num_batched_tokens=limits.max_num_batched_tokens,
-                                      cpu_attention=limits.cpu_attention, kv_cache_dtype=limits.kv_cache_dtype)
+        check_tensor_parallel_sizes(hf_config, tp, self.served_model_name)
+        layout = rank_layout(config)
+        if layout.node_rank != 0:
+            raise ConfigError("distributed.node_rank > 0 runs that node's ranks (`fdserve serve`), not an engine")
+        ranks = start_local_ranks(config, layout, self.model_dir)
 
-    def _capture_graphs(self) -> str:
-        backend = self.config.backend
-        if not backend.cuda_graphs:
-            return "eager (backend.cuda_graphs = false)"
-        if self.device.type != "cuda":
-            return f"eager (backend.cuda_graphs applies to CUDA devices; this runs on {self.device.type})"
-        max_batch = min(backend.cuda_graph_max_batch, backend.max_num_seqs)
-        self.runner.capture_decode_graphs(max_batch, self.max_context_len)
-        return f"CUDA graphs for batch sizes up to {max_batch}, eager above and for prefill"
-
-    def _num_kv_blocks(self) -> int:
-        backend = self.config.backend
-        if backend.num_kv_blocks:
-            return backend.num_kv_blocks
-        if self.device.type == "cuda":
-            # kv_cache_ratio of what is free once the weights are in and a full step's
-            # activations (measured by a profiling forward) are set aside.
-            peak = self.runner.profile_peak_bytes(backend.max_num_batched_tokens)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int((free - peak) * backend.kv_cache_ratio)
-        else:
-            budget = int(backend.cpu_kv_cache_bytes * backend.kv_cache_ratio)
-        # More than every running sequence at full context could ever use is wasted memory.
-        useful = backend.max_num_seqs * -(-self.max_context_len // backend.block_size)
-        num_blocks = min(self.runner.num_blocks_for_budget(budget), useful)
-        if num_blocks < 2:
-            raise ConfigError("backend.kv_cache_ratio / cpu_kv_cache_bytes leave no room for the KV cache "
-                              f"({budget} bytes); raise them or set backend.num_kv_blocks")
-        return num_blocks
+        def stop_ranks() -> None:
+            destroy_tensor_parallel()
+            ranks.stop()
+        try:
+            group = join_group(config, layout, local_rank=0)
+            worker = Worker(config, self.model_dir, hf_config, self.max_context_len,
+                            cpu_threads=cpu_threads_per_rank(layout))
+        except BaseException:
+            destroy_tensor_parallel()
+            ranks.stop(grace_s=0.0)
+            raise
+        return worker, TensorParallelDriver(worker.runner, group, ranks.exited, stop_ranks)
 
     # ----- requests --------------------------------------------------------------------------
     @property
@@ -209,6 +161,7 @@ class LLMEngine:
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; the reports of the requests it advanced or ended."""
+        self.step_runner.begin_step()
         if self.in_flight is not None:
             return self._step_in_flight()
         out = self.scheduler.schedule()
@@ -243,7 +196,7 @@ class LLMEngine:
             seq, k = part.seq, part.seq.params.prompt_logprobs
             assert k is not None, "only sequences asking for prompt logprobs score their prompt"
             for lo in range(0, part.hidden.shape[0], PROMPT_LOGITS_ROWS):
-                logits = self.model.compute_logits(part.hidden[lo:lo + PROMPT_LOGITS_ROWS])
+                logits = self.step_runner.prompt_logits(part, lo, lo + PROMPT_LOGITS_ROWS)
                 first = part.first + lo
                 targets = seq.token_ids[first:first + logits.shape[0]]
                 for pos, entry in enumerate(self.sampler.token_logprobs(logits, targets, k), start=first):
@@ -281,7 +234,7 @@ class LLMEngine:
             return None
 
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> InFlightStep:
-        result = self.runner.execute(seqs, input_ids)
+        result = self.step_runner.execute(seqs, input_ids)
         assert len(result.sampled_seqs) == len(seqs), "every row of an overlapped decode step samples"
         assert not result.prompt_hidden, "an overlapped step scores no prompt token"
         draw = self.sampler.sample_on_device(result.logits, seqs)
@@ -328,6 +281,18 @@ class LLMEngine:
                 self.block_manager.register_full_blocks(seq)
             accepted.append(seq)
         return self.output_processor.step_outputs(accepted)
+
+    def check_health(self) -> None:
+        """Raise EngineUnrecoverable when steps can no longer run (a tensor-parallel rank is gone)."""
+        try:
+            self.step_runner.check_health()
+        except Exception as exc:  # noqa: BLE001 - classified as in a step
+            raise_if_unrecoverable(exc, 0)
+            raise
+
+    def close(self) -> None:
+        """Stop the other ranks, if any (idempotent)."""
+        self.step_runner.close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -18,8 +18,9 @@ import torch
 
 from engine.core.faults import STAGE_FORWARD, STAGE_SAMPLING, describe, raise_if_unrecoverable
 from engine.request.sequence import Sequence
-from engine.worker.model_runner import ExecuteResult, ModelRunner
+from engine.worker.model_runner import ExecuteResult
 from engine.worker.sampler import Sampler, SampleResult
+from engine.worker.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class ForwardPart:
 
 
 class StepIsolation:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, fail: FailRequest) -> None:
+    def __init__(self, runner: StepRunner, sampler: Sampler, fail: FailRequest) -> None:
         self.runner = runner
         self.sampler = sampler
         self.fail = fail

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.model.checkpoint_slice import CheckpointTensor
+
 
 class CausalLM(nn.Module, ABC):
     """A decoder-only language model: `forward(input_ids [T], positions [T])` gives the hidden
@@ -17,5 +19,5 @@ class CausalLM(nn.Module, ABC):
         """Logits [N, V] for hidden states [N, H]."""
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors, as (name, tensor) pairs, into the parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy checkpoint tensors, as (name, tensor or file slice) pairs, into the parameters."""

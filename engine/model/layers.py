@@ -4,8 +4,7 @@ Tensor parallelism follows Megatron/vLLM: column-parallel layers split their out
 across ranks, row-parallel layers split their input features and all-reduce the partial sums,
 the embedding and LM head split the vocabulary. Each parameter carries a `weight_loader` that
 copies this rank's slice of a full checkpoint tensor (or of one shard of a fused tensor), so
-`tensor_parallel_size > 1` only needs `get_tp_rank_and_size()` to return the process group's
-rank and size.
+a rank builds its shard from `get_tp_rank_and_size()`, the process group's rank and size.
 
 Every linear product goes through `linear`, whose implementation `configure_matmul` picks once at
 startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-shape dispatcher of
@@ -23,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.layer import step_is_decode_only
+from engine.distributed.group import all_gather, all_reduce, tp_rank_and_size
+from engine.model.checkpoint_slice import CheckpointTensor, in_memory
 from engine.model.rope import cos_sin_tables
 from kernels import fused
 
@@ -102,25 +103,16 @@ def configure_matmul(fd: FlashDecodingConfig, device: torch.device, dtype: torch
 
 
 def get_tp_rank_and_size() -> tuple[int, int]:
-    """(rank, world size) of the tensor-parallel group; one process today."""
-    return 0, 1
+    """(rank, world size) of the tensor-parallel group (engine/distributed/group.py); (0, 1) alone."""
+    return tp_rank_and_size()
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    _, tp_size = get_tp_rank_and_size()
-    if tp_size == 1:
-        return x
-    torch.distributed.all_reduce(x)
-    return x
+    return all_reduce(x)
 
 
 def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    _, tp_size = get_tp_rank_and_size()
-    if tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+    return all_gather(x, dim)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -129,18 +121,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+def check_shape(loaded: CheckpointTensor, expected: tuple[int, ...], name: str) -> None:
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(expected)}")
 
 
-def check_and_copy(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def check_and_copy(param: torch.Tensor, loaded: CheckpointTensor, name: str) -> None:
     check_shape(loaded, tuple(param.shape), name)
     with torch.no_grad():
-        param.copy_(loaded)
+        param.copy_(in_memory(loaded))
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor,
+def default_weight_loader(param: torch.Tensor, loaded_weight: CheckpointTensor,
                           shard_id: Any = None) -> None:
     """For replicated parameters (norms): the whole tensor, shape checked."""
     if shard_id is not None:
@@ -293,7 +285,7 @@ class ColumnParallelLinear(HasWeight):
     def _partition_size(self) -> int:
         return divide(self.output_size, self.tp_size, "output size")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
@@ -321,7 +313,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _partition_size(self) -> int:
         return sum(divide(s, self.tp_size, "merged output size") for s in self.output_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor,
                       shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs a shard index in "
@@ -368,7 +360,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             return q_size + kv_size, kv_size, kv_index
         raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor,
                       shard_id: Any = None) -> None:
         offset, size, index = self._shard_offset_and_size(shard_id)
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
@@ -393,7 +385,7 @@ class RowParallelLinear(HasWeight):
         self.weight = new_param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
         self.bias = new_param((output_size,), dtype, default_weight_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
@@ -423,7 +415,7 @@ class VocabParallelEmbedding(HasWeight):
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
         self.weight = new_param((self.num_embeddings_per_partition, embedding_dim), dtype, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor,
                       shard_id: Any = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention.layer import Attention
 from engine.model.causal_lm import CausalLM
+from engine.model.checkpoint_slice import CheckpointTensor
 from engine.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -186,7 +187,7 @@ class LlamaForCausalLM(CausalLM):
         """hidden[N, H] -> float32 logits[N, V]."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy HF-named checkpoint tensors into our (fused, sharded) parameters.
 
         Raises ValueError naming every checkpoint tensor without a destination and every

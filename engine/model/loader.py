@@ -23,6 +23,7 @@ import torch
 from engine.config import RopeScaling
 from engine.model.cache_dir import cache_root
 from engine.model.causal_lm import CausalLM
+from engine.model.checkpoint_slice import CheckpointSlice
 from engine.model.synthetic import build_synthetic_model, synthetic_marker, synthetic_model_dir
 
 logger = logging.getLogger(__name__)
@@ -355,8 +356,9 @@ def _write_tokenizer(gguf_path: Path, reader: Any, out_dir: Path) -> None:
 # Building and loading the model
 # ---------------------------------------------------------------------------------------------
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in `model_dir` (on CPU)."""
+def iter_checkpoint_slices(model_dir: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(name, slice) for every tensor of every *.safetensors file in `model_dir`: each parameter's loader
+    reads only its rank's part (the file stays open while the slice is in use)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -364,15 +366,14 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {model_dir}")
     total = sum(file.stat().st_size for file in files)
-    # Progress in bytes: an 8B model takes long enough to load that a silent start looks hung.
     with tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="B", unit_scale=True,
               disable=total < 256 << 20) as progress:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    progress.update(tensor.numel() * tensor.element_size())
-                    yield name, tensor
+                    checkpoint_slice = CheckpointSlice(f.get_slice(name))
+                    yield name, checkpoint_slice
+                    progress.update(checkpoint_slice.nbytes)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
@@ -393,7 +394,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(hf_config, dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    model.load_weights(iter_checkpoint_slices(model_dir))
     logger.info("loaded %s (%s) in %.1f s", model_dir, model_cls.__name__, time.perf_counter() - start)
     return model.eval()
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.model.checkpoint_slice import CheckpointTensor
 from engine.model.layers import (
     HasWeight,
     check_and_copy,
@@ -110,7 +111,7 @@ class FusedExperts(nn.Module):
         return {"w13_weight": {(role, e) for e in experts for role in ("gate", "up")},
                 "w2_weight": {("down", e) for e in experts}}
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: Any = None) -> None:
         inter = param.shape[1] // 2 if param is self.w13_weight else param.shape[2]
         offset = self.tp_rank * inter
         full = self.intermediate_size

@@ -5,7 +5,8 @@ that shape, a byte-level tokenizer and a marker file `synthetic.json`, but no we
 loader builds the model and calls `init_random_weights` instead of reading safetensors, so an
 8B-shaped model costs seconds and no 16 GB of disk. The compute per token is the real one
 (the LM head keeps the full vocabulary; the sampler only looks at the tokenizer's 259 ids).
-Generated text is noise, so benchmarks run these with `ignore_eos`.
+Generated text is noise, so benchmarks run these with `ignore_eos`. Under tensor parallelism each rank
+fills its own shard from the same seed: the same shapes and speed, but not the same weights as one process.
 """
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # ~141 GB of bf16 weights: two GPUs' worth (tensor_parallel_size = 2)
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=False, torch_dtype="bfloat16"),
     # 128 experts, 8 active (~3.3B active of 30.5B parameters), q/k norm; every layer sparse.

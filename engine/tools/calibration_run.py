@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.attention.backend import AttentionBackend
-from engine.config import FdserveConfig
+from engine.config import ConfigError, FdserveConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from engine.tools.calibration import calibrate
@@ -31,6 +31,9 @@ def run_calibration(config: FdserveConfig, output_path: Path, *, texts: list[str
                     prompt_tokens: int = 1024, decode_tokens: int = 16) -> dict[str, Any]:
     """Prefill `prompt_tokens` of each text and decode `decode_tokens` more; write the φ file (with
     the K/V maxima that FP8 pages take their scales from)."""
+    if config.backend.tensor_parallel_size > 1:   # the recorder reads one process's pages
+        raise ConfigError("fdserve calibrate runs in one process: set backend.tensor_parallel_size = 1 "
+                          "(the file it writes holds every KV head, and each rank of a larger size takes its own)")
     # The recorder reads pages of the model dtype: calibrate at full precision whatever is served.
     backend = config.backend.model_copy(update={"kv_cache_dtype": "auto"})
     engine = LLMEngine(config.model_copy(update={"backend": backend}))

@@ -48,6 +48,8 @@ class PromptHidden:
     seq: Sequence
     first: int
     hidden: torch.Tensor
+    # On a tensor-parallel driver: (the execute's serial, index in its list), where every rank keeps the same rows.
+    origin: tuple[int, int] | None = None
 
 
 @dataclass
@@ -204,10 +206,29 @@ class ModelRunner:
         prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
         if not step.sampled_seqs:
             return ExecuteResult(torch.empty(0), [], step.metadata.counters, prompt_hidden)
-        # every model class has compute_logits; nn.Module does not declare it
-        compute_logits = cast(Callable[[torch.Tensor], torch.Tensor], self.model.compute_logits)
-        logits = compute_logits(hidden[step.logits_indices])
+        logits = self._compute_logits(hidden[step.logits_indices])
         return ExecuteResult(logits.float(), step.sampled_seqs, step.metadata.counters, prompt_hidden)
+
+    def prompt_logits(self, part: PromptHidden, lo: int, hi: int) -> torch.Tensor:
+        """float32 logits [hi - lo, V] of prompt rows lo..hi of `part` (prompt logprobs)."""
+        return self._compute_logits(part.hidden[lo:hi]).float()
+
+    def release_pages(self, pages: list[int]) -> None:
+        """The block manager freed these pages (the backend's page state follows)."""
+        self.backend.release(pages)
+
+    def begin_step(self) -> None:
+        """An engine step begins (a tensor-parallel driver tells its ranks; one process has nothing to do)."""
+
+    def check_health(self) -> None:
+        """Nothing to check in one process (a tensor-parallel driver checks its ranks)."""
+
+    def close(self) -> None:
+        """Nothing to stop in one process."""
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # every model class has compute_logits; nn.Module does not declare it
+        return cast(Callable[[torch.Tensor], torch.Tensor], self.model.compute_logits)(hidden)
 
     def _replay(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> ExecuteResult | None:
         """The step through a captured graph, or None when no graph fits it (it then runs eagerly)."""

@@ -89,8 +89,18 @@ def setup_logging(level: str) -> None:
 
 
 # ----- serve -----------------------------------------------------------------------------------
+_DISTRIBUTED_FLAGS = {"nnodes": "distributed.nnodes", "node_rank": "distributed.node_rank",
+                      "master_addr": "distributed.master_addr", "master_port": "distributed.master_port"}
+
+
 def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    group = parser.add_argument_group("tensor parallelism over several machines ([distributed])")
+    group.add_argument("--nnodes", type=int, help="machines the tensor_parallel_size ranks are spread over")
+    group.add_argument("--node-rank", type=int, help="this machine's index; node 0 serves HTTP, the others "
+                       "only run their ranks")
+    group.add_argument("--master-addr", help="address of node 0, reachable from every node")
+    group.add_argument("--master-port", type=int, help="rendezvous port on node 0 (the same on every node)")
 
 
 # After the engine fails, the process is gone within this many seconds even if a client keeps a
@@ -101,7 +111,17 @@ FAILURE_EXIT_DEADLINE_S = 30.0
 @subcommand("serve", "start the OpenAI-compatible server", _configure_serve)
 def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    updates = {key.split(".")[1]: value for flag, key in _DISTRIBUTED_FLAGS.items()
+               if (value := getattr(args, flag, None)) is not None}
+    if updates:
+        try:
+            config.distributed = config.distributed.model_validate({**config.distributed.model_dump(), **updates})
+        except ValueError as exc:
+            raise ConfigError(f"distributed flags: {exc}") from None
     setup_logging(config.server.log_level)
+    if config.distributed.node_rank > 0:   # this machine runs its ranks; node 0 serves
+        from engine.parallel.rank import serve_node
+        return serve_node(config)
     return run_server(config)
 
 

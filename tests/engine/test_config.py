@@ -47,7 +47,9 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ("[backend]\nblock_size = 24\n", "backend.block_size"),
     ('[flashdecoding]\nkernel = "fast"\n', "flashdecoding.kernel"),
     ("[backend]\ncuda_graph_max_batch = 0\n", "backend.cuda_graph_max_batch"),
-    ("[backend]\ntensor_parallel_size = 2\n", "backend.tensor_parallel_size"),
+    ("[backend]\ntensor_parallel_size = 0\n", "backend.tensor_parallel_size"),
+    ("[distributed]\nmaster_port = 70000\n", "distributed.master_port"),
+    ("[distributed]\ntimeout_s = 0\n", "distributed.timeout_s"),
 ])
 def test_impossible_values(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -96,10 +96,15 @@ def test_tied_embeddings_share_one_tensor(tmp_path: Path) -> None:
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
+def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return {name: t for file in sorted(model_dir.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+
 def test_load_weights_names_unexpected_and_missing(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path / "m", "qwen2")
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    weights = dict(loader.iter_safetensors(model_dir))
+    weights = _checkpoint(model_dir)
     weights["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(1)
     del weights["model.layers.1.self_attn.k_proj.bias"]
     del weights["model.norm.weight"]
@@ -259,7 +264,7 @@ def test_embedded_gguf_matches_transformers(embedded) -> None:
 
     oracle = _transformers_gguf_model(loader.embedded_default_gguf())
     oracle_state = oracle.state_dict()
-    for name, tensor in loader.iter_safetensors(model_dir):  # same dequantization, same layout
+    for name, tensor in _checkpoint(model_dir).items():  # same dequantization, same layout
         assert torch.equal(tensor, oracle_state[name]), name
     with torch.inference_mode():
         expected = oracle(torch.tensor([ids])).logits[0].float()
@@ -288,3 +293,46 @@ def test_second_resolve_reuses_cache(embedded, monkeypatch) -> None:
     assert weights.stat().st_mtime_ns == mtime
     assert not [p for p in model_dir.parent.iterdir() if ".tmp-" in p.name]  # no half-written leftovers
     print(f"GGUF conversion: first {first_seconds:.1f} s, cached {second_seconds * 1000:.1f} ms")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path: Path, monkeypatch, family: str) -> None:
+    """Two ranks together read each sharded tensor once (plus the replicated norms and router twice)."""
+    from transformers import AutoConfig
+
+    from engine.model.checkpoint_slice import CheckpointSlice
+    from engine.model.registry import get_model_class
+
+    model_dir = make_tiny_model(tmp_path / "m", family, hidden_size=64)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    full = _checkpoint(model_dir)
+    replicated = sum(t.numel() for name, t in full.items() if "norm" in name or name.endswith("mlp.gate.weight"))
+    read = [0]
+
+    class Counting(CheckpointSlice):
+        def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+            out = super().narrow(dim, start, length)
+            read[0] += out.numel()
+            return out
+
+        def read(self) -> torch.Tensor:
+            out = super().read()
+            read[0] += out.numel()
+            return out
+
+    def counted():
+        for name, piece in loader.iter_checkpoint_slices(model_dir):
+            yield name, Counting(piece._lazy)
+
+    ranks = []
+    for rank in range(2):
+        monkeypatch.setattr(layers, "tp_rank_and_size", lambda r=rank: (r, 2))
+        model = get_model_class(hf_config)(hf_config, torch.float32)
+        model.load_weights(counted())
+        ranks.append(model)
+    total = sum(t.numel() for t in full.values())
+    assert read[0] == total + replicated
+    q_rows = hf_config.num_attention_heads * (hf_config.hidden_size // hf_config.num_attention_heads) // 2
+    for rank, model in enumerate(ranks):
+        q = model.model.layers[0].self_attn.qkv_proj.weight[:q_rows]
+        torch.testing.assert_close(q, full["model.layers.0.self_attn.q_proj.weight"][rank * q_rows:(rank + 1) * q_rows])

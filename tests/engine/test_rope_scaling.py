@@ -68,7 +68,7 @@ def test_context_past_the_checkpoint_needs_rope_scaling(model_dir, caplog) -> No
     rope = {"type": "yarn", "factor": FACTOR, "original_max_position_embeddings": ORIGINAL}
     with pytest.raises(ConfigError, match=f"{LENGTH}"):
         LLMEngine(_engine_config(model_dir, **{"model.max_context_len": LENGTH + 1, "model.rope_scaling": rope}))
-    with caplog.at_level(logging.WARNING, logger="engine.core.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.context_len"):
         engine = LLMEngine(_engine_config(model_dir, **{"model.rope_scaling": rope}))
     assert engine.max_context_len == LENGTH and "quality may drop" in caplog.text
     assert engine.model.model.layers[0].self_attn.rotary_emb.cos_cache.shape[0] == LENGTH

@@ -1,0 +1,49 @@
+"""`python -m engine.parallel.worker_main`: one rank other than 0, started by its node's first process
+(engine/parallel/launch.py) with the config as JSON on stdin. Exits 0 when rank 0 says Stop, 1 on any failure."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import sys
+from pathlib import Path
+
+from engine.config import FdserveConfig
+
+logger = logging.getLogger("fdserve.rank")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the node's first process exits, however it exits."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 15)
+        except (OSError, AttributeError):
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    config = FdserveConfig.model_validate_json(sys.stdin.buffer.read())
+    logging.basicConfig(level=config.server.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank {args.rank} %(name)s: %(message)s")
+    try:
+        from engine.parallel.rank import serve_rank
+        serve_rank(config, args.model_dir, args.rank, args.world_size, args.local_rank, args.cpu_threads)
+    except Exception:  # noqa: BLE001 - the exit status and the log are all rank 0's supervisor sees
+        logger.exception("rank %d stopped on an error", args.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
