@@ -1,5 +1,5 @@
-"""Fused element-wise kernels of a decoder layer: residual add + RMSNorm, SiLU-and-mul, RoPE, and
-RoPE + KV-cache store.
+"""Fused element-wise kernels of a decoder layer: residual add + RMSNorm, the per-head q and k
+RMSNorm (Qwen3) in one launch, SiLU-and-mul, RoPE, and RoPE + KV-cache store.
 
 Each replaces several small torch launches by one, and matches the torch modules of
 `engine/model/layers.py` numerically: low-precision values are rounded where torch rounds them (the
@@ -40,6 +40,13 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def qk_rms_norm_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = q_weight.shape[0]
+    return (rms_norm_ref(q.reshape(q.shape[0], -1, head_dim), q_weight, q_eps).reshape(q.shape[0], -1),
+            rms_norm_ref(k.reshape(k.shape[0], -1, head_dim), k_weight, k_eps).reshape(k.shape[0], -1))
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +151,67 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     out, res_out = _launch_rms_norm(x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
+
+
+# ----- per-head q and k RMSNorm ------------------------------------------------------------------
+
+@triton.jit
+def _norm_heads(X_ROW, OUT_ROW, W, h0, num_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Heads [h0, h0 + BLOCK_H) of one token row, each normalised over its HEAD_DIM features as
+    `_rms_norm_kernel` normalises a row."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (heads < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    offs = heads[:, None] * HEAD_DIM + d[None, :]
+    x = tl.load(X_ROW + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)
+    normed = (xf * rstd[:, None]).to(X_ROW.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    tl.store(OUT_ROW + offs, (w[None, :] * normed).to(OUT_ROW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_kernel(Q, K, QW, KW, Q_OUT, K_OUT, stride_q, stride_k, num_q_heads, num_k_heads, q_blocks,
+                    q_eps, k_eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    # Program blocks [0, q_blocks) cover the query heads, the rest the key heads: one launch.
+    if hb < q_blocks:
+        _norm_heads(Q + t * stride_q, Q_OUT + t * num_q_heads * HEAD_DIM, QW, hb * BLOCK_H, num_q_heads, q_eps,
+                    HEAD_DIM, BLOCK_H, BLOCK_D)
+    else:
+        _norm_heads(K + t * stride_k, K_OUT + t * num_k_heads * HEAD_DIM, KW, (hb - q_blocks) * BLOCK_H,
+                    num_k_heads, k_eps, HEAD_DIM, BLOCK_H, BLOCK_D)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq*D], k [T, Hkv*D] (rows of any stride, e.g. views into the qkv output) -> new
+    contiguous (q, k), each head RMS-normalised with the (D,) weight of its kind; grid (token,
+    head block) over the q heads then the k heads."""
+    head_dim = q_weight.shape[0] if q_weight.dim() == 1 else 0
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 2 or x.shape[0] != q.shape[0] or not head_dim or x.shape[1] % head_dim or x.stride(1) != 1:
+            raise ValueError(f"qk_rms_norm: {name} must be [T, heads*{head_dim}] with a contiguous last dimension; "
+                             f"got shape {tuple(x.shape)}, strides {x.stride()}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.stride(0) != 1:
+            raise ValueError(f"qk_rms_norm: {name} must be a contiguous ({head_dim},); got {tuple(w.shape)}")
+    q_out = torch.empty(q.shape, dtype=torch.promote_types(q_weight.dtype, q.dtype), device=q.device)
+    k_out = torch.empty(k.shape, dtype=torch.promote_types(k_weight.dtype, k.dtype), device=k.device)
+    num_tokens = q.shape[0]
+    num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if num_tokens == 0 or num_q_heads + num_k_heads == 0:
+        return q_out, k_out
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = _head_block(num_k_heads, block_d // 2)
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    _qk_norm_kernel[(num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))](
+        q, k, q_weight, k_weight, q_out, k_out, q.stride(0), k.stride(0), num_q_heads, num_k_heads, q_blocks,
+        q_eps, k_eps, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+    return q_out, k_out
 
 
 # ----- SiLU and mul ----------------------------------------------------------------------------

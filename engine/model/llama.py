@@ -35,6 +35,7 @@ from engine.model.layers import (
 )
 from engine.model.moe import ALL_EXPERTS, FusedExperts, SparseMoeBlock, expert_param_name, moe_checkpoint_name, moe_spec
 from engine.model.rope import get_rope_parameters
+from kernels.fused import qk_rms_norm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -108,7 +109,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # per head, before RoPE
+        if self.qk_norm and q.is_cuda:  # per head, before RoPE: q and k in one launch
+            q, k = qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps)
+        elif self.qk_norm:
             num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)

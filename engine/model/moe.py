@@ -26,7 +26,8 @@ from engine.model.layers import (
     new_param,
     tensor_parallel_all_reduce,
 )
-from kernels.moe import fused_moe, moe_reference, route_topk, route_topk_ref
+from kernels.moe import fused_moe, moe_reference, route_topk, route_topk_ref, router_logits
+from kernels.moe.router import MAX_TOKENS as ROUTER_MAX_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -89,6 +90,8 @@ class Router(HasWeight):
         self.weight = new_param((num_experts, hidden_size), dtype, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] <= ROUTER_MAX_TOKENS:   # decode: one launch, not the matmul table's split-K pair
+            return router_logits(x, self.weight)
         return self.product(x)
 
 

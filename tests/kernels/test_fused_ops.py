@@ -92,6 +92,45 @@ def test_rms_norm_strided_rows_and_heads() -> None:
     assert torch.equal(got_res, want_res)
 
 
+def qk_norm_oracle(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    """The per-head RMSNorm written out in float64."""
+    heads = x.double().reshape(x.shape[0], -1, head_dim)
+    normed = heads / (heads.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return (normed * weight.double()).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 4, 2), (48, 5, 3), (128, 32, 4), (32, 7, 1)])
+def test_qk_rms_norm(tokens: int, head_dim: int, heads: int, kv_heads: int) -> None:
+    """Qwen3's q and k norms in one launch, read straight from views of the fused qkv output."""
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, seed=tokens * head_dim + heads) * 3.0
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_norm, k_norm = make_norm(head_dim), RMSNorm(head_dim, eps=1e-6).to(DEVICE)
+    k_norm.weight.data.copy_(randn(head_dim, seed=8) * 0.3 + 1.0)
+    qkv_before = qkv.clone()
+    got_q, got_k = fused.qk_rms_norm(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    ref_q, ref_k = fused.qk_rms_norm_ref(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps)
+    for got, ref, x, norm, name in ((got_q, ref_q, q, q_norm, "q"), (got_k, ref_k, k, k_norm, "k")):
+        assert_close(got, ref, TOL32, f"qk_rms_norm {name} vs reference")
+        want = norm(x.reshape(tokens, -1, head_dim)).reshape(tokens, -1)
+        assert_close(got, want, TOL32, f"qk_rms_norm {name} vs RMSNorm")
+        oracle = qk_norm_oracle(x, norm.weight, norm.eps, head_dim)
+        err = float((got.double() - oracle).norm() / oracle.norm())
+        assert err < 1e-6, f"qk_rms_norm {name}: relative error {err:.2e} against float64"
+    assert torch.equal(qkv, qkv_before), "the qkv output must be left untouched"
+
+
+def test_qk_rms_norm_rejects_bad_shapes() -> None:
+    w = torch.ones(64)
+    with pytest.raises(ValueError, match="q must be"):
+        fused.qk_rms_norm(torch.randn(3, 100), torch.randn(3, 64), w, w, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="k must be"):
+        fused.qk_rms_norm(torch.randn(3, 128), torch.randn(2, 64), w, w, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="k_weight"):
+        fused.qk_rms_norm(torch.randn(3, 128), torch.randn(3, 64), w, torch.ones(32), 1e-6, 1e-6)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("inter", [96, 1100])   # 1100: two column blocks, the second partial
 def test_silu_and_mul(tokens: int, inter: int) -> None:
@@ -309,6 +348,21 @@ def test_rotary_embedding_gpu(dtype: torch.dtype, tokens: int, head_dim: int, ro
     # |x| < 6, so FMA-level float32 differences stay below 1e-5 in absolute terms.
     assert_within_ulps(got_q, ref_q, 1, f"rope q {dtype}", atol=1e-5)
     assert_within_ulps(got_k, ref_k, 1, f"rope k {dtype}", atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17, 300])
+def test_qk_rms_norm_gpu(dtype: torch.dtype, tokens: int) -> None:
+    """Qwen3-30B-A3B's heads (32 q, 4 kv, 128): within 2 ulps of the two RMSNorm modules' torch path."""
+    qkv = randn(tokens, 40 * 128, seed=9, dtype=dtype, device="cuda") * 3.0
+    q, k, _ = qkv.split([32 * 128, 4 * 128, 4 * 128], dim=-1)
+    q_norm, k_norm = make_norm(128, dtype, "cuda"), make_norm(128, dtype, "cuda")
+    k_norm.weight.data.mul_(0.5)
+    got_q, got_k = fused.qk_rms_norm(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps)
+    ref_q, ref_k = fused.qk_rms_norm_ref(q, k, q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps)
+    assert_within_ulps(got_q, ref_q, 2, f"qk_rms_norm q {dtype} T={tokens}")
+    assert_within_ulps(got_k, ref_k, 2, f"qk_rms_norm k {dtype} T={tokens}")
 
 
 @gpu

@@ -11,6 +11,7 @@ import torch
 
 from kernels.moe import (
     MoeConfig,
+    RouterConfig,
     align_pairs,
     fused_moe,
     max_aligned_blocks,
@@ -18,6 +19,8 @@ from kernels.moe import (
     moe_reference,
     route_topk,
     route_topk_ref,
+    router_logits,
+    router_logits_ref,
 )
 from kernels.moe.config import MoeTable, default_config
 
@@ -132,6 +135,52 @@ def test_amd_default_configs_run(tokens: int) -> None:
     weights, ids = route_topk(logits, 2, renormalize=True)
     ref = moe_reference(x, w13, w2, weights, ids, compute_dtype=torch.float64)
     assert rel_err(fused_moe(x, w13, w2, weights, ids, cfg), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("tokens,experts,hidden", [(1, 128, 96), (3, 12, 200), (8, 64, 64), (5, 7, 1000)])
+@pytest.mark.parametrize("block_e,block_k", [(4, 64), (1, 512), (8, 128)])
+def test_router_logits_match_float64(tokens: int, experts: int, hidden: int, block_e: int, block_k: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * experts + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=gen) / hidden ** 0.5).to(DEVICE)
+    out = router_logits(x, weight, RouterConfig(block_e=block_e, block_k=block_k))
+    want = x.double() @ weight.double().T
+    assert out.shape == (tokens, experts) and out.dtype == x.dtype
+    assert rel_err(out, want) < TOL[torch.float32], rel_err(out, want)
+    assert rel_err(out, router_logits_ref(x, weight)) < TOL[torch.float32]
+
+
+def test_router_logits_bf16_are_rounded_like_the_linear_layer() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 160, generator=gen).to(torch.bfloat16).to(DEVICE)
+    weight = (torch.randn(24, 160, generator=gen) / 12).to(torch.bfloat16).to(DEVICE)
+    out = router_logits(x, weight, RouterConfig(block_e=4, block_k=64))
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, x.double() @ weight.double().T) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="router"):
+        router_logits(x, weight[:, :100])
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
+    (1, 128, 8, 64, 48), (3, 8, 1, 96, 32), (5, 12, 3, 80, 40), (2, 64, 8, 64, 32), (1, 32, 20, 48, 24)])
+def test_pairs_path_matches_float64(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> None:
+    """The per-pair path, the one decode takes, on routings as the router produces them: top-k 20
+    holds more pairs than a 16-row tile, unnormalised weights keep their scale."""
+    x, w13, w2, logits = operands(tokens, experts, hidden, inter, torch.float32, seed=tokens + experts + top_k)
+    for renormalize in (True, False):
+        weights, ids = route_topk_ref(logits, top_k, renormalize)
+        ref = moe_reference(x, w13, w2, weights, ids, compute_dtype=torch.float64)
+        out = fused_moe(x, w13, w2, weights, ids, SMALL["pairs"])
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert rel_err(out, ref) < TOL[torch.float32], (renormalize, rel_err(out, ref))
+
+
+def test_pairs_bf16() -> None:
+    x, w13, w2, logits = operands(3, 64, 64, 48, torch.bfloat16, seed=6)
+    weights, ids = route_topk_ref(logits, 8, True)
+    ref = moe_reference(x.double(), w13.double(), w2.double(), weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, SMALL["pairs"])
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
 
 
 def test_experts_without_tokens_and_a_single_busy_expert() -> None:
