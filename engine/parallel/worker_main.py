@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-threads", type=int, default=None)
     args = parser.parse_args(argv)
     _die_with_parent()
+    # Ctrl-C reaches the whole process group: rank 0 drains and then stops this rank with a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = FdserveConfig.model_validate_json(sys.stdin.buffer.read())
     logging.basicConfig(level=config.server.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank {args.rank} %(name)s: %(message)s")

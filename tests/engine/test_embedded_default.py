@@ -48,11 +48,17 @@ def int4_llm():
     return LLM(cpu_weight_dtype="int4")
 
 
-@pytest.mark.parametrize("which", ["llm", "bf16_llm", "int4_llm", "fp8_kv_llm"])
-def test_capital_of_france(which, request):
+# The plain question's first token is a near-tie in float32 ("The" -1.88 against "L" -1.97 nats); bf16
+# logits (steps of 1/16 at this magnitude) may tie them, and which wins then depends on the CPU's
+# kernels. Asked for one word, the float32 margin is 1.47 nats, which bf16 and int4 keep.
+BF16_QUESTION = "What is the capital of France? Answer in one word."
+
+
+@pytest.mark.parametrize("which, question", [("llm", PROMPTS[0]), ("fp8_kv_llm", PROMPTS[0]),
+                                             ("bf16_llm", BF16_QUESTION), ("int4_llm", BF16_QUESTION)])
+def test_capital_of_france(which, question, request):
     llm = request.getfixturevalue(which)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=32))[0]
+    out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
 
