@@ -7,7 +7,8 @@
     serve        a sweep against a running server over HTTP (see bench/serve.py)
 
 Every engine variant is a fresh `LLM(config, **overrides)` (the engine reads [flashdecoding]
-at construction) on the same model, prompts and settings; only the variant's keys differ.
+at construction) in a process of its own (bench/own_process.py), on the same model, prompts and
+settings; only the variant's keys differ.
 A variant the engine refuses on this machine is reported "unavailable: <reason>", never
 skipped. Prompts are random token ids from a seeded generator, different per request so no
 request hits another's prefix cache. Output: a table, JSON (`--out`) and a PNG next to it.
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.decode_budget import decode_warnings
+from bench.own_process import in_own_process
 
 # [flashdecoding] keys per variant; everything else comes from the config and --set.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -154,7 +156,11 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def measure_variant(config: Any, variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant: build it, warm it up, run the mode's requests `--repeat` times."""
+    """One variant: build it, warm it up, run the mode's requests `--repeat` times (row["process"]: the pid)."""
+    return {**_measure_variant(config, variant, args), "process": os.getpid()}
+
+
+def _measure_variant(config: Any, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         llm = build_llm(config, variant)
         try:
@@ -281,9 +287,9 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     warnings = decode_warnings(args.max_tokens)
     for text in warnings:
         print(f"warning: {text}", file=sys.stderr)
-    rows = [measure_variant(config, v, args) for v in args.variants]
+    rows = [in_own_process(measure_variant, config, v, args) for v in args.variants]
     if getattr(args, "transformers", False):
-        rows.append(measure_hf_baseline(config, args))
+        rows.append(in_own_process(measure_hf_baseline, config, args))
     add_ratios(rows, args.mode)
     settings = {k: getattr(args, k) for k in ("context_len", "max_tokens", "repeat", "warmup", "seed")}
     if args.mode == "concurrency":
