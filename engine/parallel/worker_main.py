@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from engine.config import FdserveConfig
 
 logger = logging.getLogger("fdserve.rank")
 
-_PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 1.0
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the node's first process exits, however it exits."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 15)
-        except (OSError, AttributeError):
-            pass
+def _exit_with_parent() -> None:
+    """Exit once the node's first process is gone, however it went (SIGKILL included). A watch on the
+    parent's pid, not PR_SET_PDEATHSIG, which fires when the spawning *thread* ends (a server's loader
+    thread ends at shutdown, before the ranks are told to stop)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                logger.error("the node's first process (pid %d) is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fdserve-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--cpu-threads", type=int, default=None)
     args = parser.parse_args(argv)
-    _die_with_parent()
+    _exit_with_parent()
     # Ctrl-C reaches the whole process group: rank 0 drains and then stops this rank with a message.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = FdserveConfig.model_validate_json(sys.stdin.buffer.read())

@@ -114,3 +114,50 @@ def test_two_nodes_started_with_the_multi_node_flags_serve_one_model(model_dir: 
     assert served["choices"][0]["text"] == alone[0].outputs[0].text
     assert served["usage"]["completion_tokens"] == 16
     assert "rank 1 of 2 joined" in (tmp_path / "node1.log").read_text()
+
+
+def test_sigterm_drains_the_request_in_flight_and_stops_the_ranks(model_dir: Path, tmp_path: Path) -> None:
+    """Shutdown keeps every rank until the drain is over, then tells them to stop (no rank error)."""
+    import json
+
+    port, log = free_port(), tmp_path / "server.log"
+    proc = _serve(model_dir, port, log, "--set", "backend.tensor_parallel_size=2")
+    try:
+        assert wait_until(lambda: _healthy(port), timeout=180, interval=0.2), log.read_text()[-3000:]
+        (rank,) = _children(proc.pid)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)   # mid-stream: the request must still complete on both ranks
+            rest = list(lines)
+        events = [line[6:] for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        finish = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+        assert finish == ["length"]
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert wait_until(lambda: not _alive(rank), timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text()
+    errors = [line for line in output.splitlines() if " ERROR " in line or "stopped on an error" in line]
+    assert not errors, output[-3000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the rank processes")
+def test_ranks_exit_when_the_server_is_killed(model_dir: Path, tmp_path: Path) -> None:
+    port, log = free_port(), tmp_path / "server.log"
+    proc = _serve(model_dir, port, log, "--set", "backend.tensor_parallel_size=2")
+    try:
+        assert wait_until(lambda: _healthy(port), timeout=180, interval=0.2), log.read_text()[-3000:]
+        (rank,) = _children(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert wait_until(lambda: not _alive(rank), timeout=15), f"rank {rank} outlived a killed server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
