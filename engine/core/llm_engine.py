@@ -99,7 +99,14 @@ class LLMEngine:
             return worker, worker.runner
         from engine.distributed.group import destroy_tensor_parallel
         from engine.parallel.driver import TensorParallelDriver
-        from engine.parallel.launch import cpu_threads_per_rank, join_group, rank_layout, start_local_ranks
+        from engine.parallel.launch import (
+            FAILED_STOP_GRACE_S,
+            STOP_GRACE_S,
+            cpu_threads_per_rank,
+            join_group,
+            rank_layout,
+            start_local_ranks,
+        )
 
         check_tensor_parallel_sizes(hf_config, tp, self.served_model_name)
         layout = rank_layout(config)
@@ -107,9 +114,9 @@ class LLMEngine:
             raise ConfigError("distributed.node_rank > 0 runs that node's ranks (`fdserve serve`), not an engine")
         ranks = start_local_ranks(config, layout, self.model_dir)
 
-        def stop_ranks() -> None:
+        def stop_ranks(clean: bool) -> None:
             destroy_tensor_parallel()
-            ranks.stop()
+            ranks.stop(STOP_GRACE_S if clean else FAILED_STOP_GRACE_S)   # a rank out of step will not exit
         try:
             group = join_group(config, layout, local_rank=0)
             worker = Worker(config, self.model_dir, hf_config, self.max_context_len,

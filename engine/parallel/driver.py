@@ -40,7 +40,8 @@ RankWatch = Callable[[], str | None]
 
 class TensorParallelDriver:
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup, watch: RankWatch,
-                 on_close: Callable[[], None]) -> None:
+                 on_close: Callable[[bool], None]) -> None:
+        """`on_close(clean)`: stop the ranks; `clean` when they were told to (else they are killed sooner)."""
         self.runner = runner
         self.group = group
         self._watch = watch
@@ -111,7 +112,7 @@ class TensorParallelDriver:
                     self._send(Stop())
             except RankFailure:
                 pass
-        self._on_close()
+        self._on_close(self._failure is None)
 
     # ----- messages --------------------------------------------------------------------------------
     def _send(self, message: Message) -> None:

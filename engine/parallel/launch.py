@@ -26,6 +26,7 @@ from engine.worker.device import select_device
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0   # a rank asked to stop is killed after this
+FAILED_STOP_GRACE_S = 1.0   # after a failure no rank was asked: those left are killed after this
 
 
 @dataclass(frozen=True)
