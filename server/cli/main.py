@@ -56,7 +56,10 @@ def subcommand(name: str, help: str, configure: Configure | None = None) -> Call
 # ----- config flags shared by subcommands ------------------------------------------------------
 _FLAG_KEYS = {"host": "server.host", "port": "server.port", "model": "model.name",
               "served_model_name": "model.served_model_name", "api_key": "api.api_key",
-              "max_context_len": "model.max_context_len"}
+              "max_context_len": "model.max_context_len",
+              # serve's multi-node flags (other subcommands do not declare them)
+              "nnodes": "distributed.nnodes", "node_rank": "distributed.node_rank",
+              "master_addr": "distributed.master_addr", "master_port": "distributed.master_port"}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +92,6 @@ def setup_logging(level: str) -> None:
 
 
 # ----- serve -----------------------------------------------------------------------------------
-_DISTRIBUTED_FLAGS = {"nnodes": "distributed.nnodes", "node_rank": "distributed.node_rank",
-                      "master_addr": "distributed.master_addr", "master_port": "distributed.master_port"}
-
-
 def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     group = parser.add_argument_group("tensor parallelism over several machines ([distributed])")
@@ -111,13 +110,6 @@ FAILURE_EXIT_DEADLINE_S = 30.0
 @subcommand("serve", "start the OpenAI-compatible server", _configure_serve)
 def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    updates = {key.split(".")[1]: value for flag, key in _DISTRIBUTED_FLAGS.items()
-               if (value := getattr(args, flag, None)) is not None}
-    if updates:
-        try:
-            config.distributed = config.distributed.model_validate({**config.distributed.model_dump(), **updates})
-        except ValueError as exc:
-            raise ConfigError(f"distributed flags: {exc}") from None
     setup_logging(config.server.log_level)
     if config.distributed.node_rank > 0:   # this machine runs its ranks; node 0 serves
         from engine.parallel.rank import serve_node
