@@ -1,6 +1,6 @@
 """CPU tokens/s of our engine against transformers `generate` and llama.cpp on the embedded default.
 
-Chat prompts at batch 1 and N concurrent (greedy, same prompts); then prefill and decode tokens/s
+Chat prompts at batch 1 (llama.cpp too) and N concurrent (greedy, same prompts); then prefill and decode tokens/s
 of random-token prompts at each `--contexts` length, batch 1: TTFT of a fresh prompt, and the decode
 rate after it (ours: the prompt again, from the prefix cache, for 1 + N tokens; transformers: the
 time of 1 + N tokens minus its TTFT; llama.cpp: one-token evals). llama.cpp runs the
@@ -102,6 +102,21 @@ def long_llama_cpp(llama: Any, length: int, new_tokens: int, seed: int) -> dict[
     return rates(ttft, ttft + time.perf_counter() - start, length, new_tokens)
 
 
+def chat_llama_cpp(llama: Any, tokenizer: Any, chat: list[dict], max_tokens: int) -> tuple[float, int]:
+    """llama.cpp's time for the same templated chat prompt and `max_tokens` greedy tokens (its generator
+    does not stop at EOS, like ours with ignore_eos)."""
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    tokens = llama.tokenize(text.encode(), add_bos=False, special=True)
+    llama.reset()
+    count = 0
+    start = time.perf_counter()
+    for _ in llama.generate(tokens, temp=0.0, reset=True):
+        count += 1
+        if count == max_tokens:
+            break
+    return time.perf_counter() - start, count
+
+
 def load_llama_cpp(threads: int, context: int) -> Any | None:
     try:   # optional, and without type stubs
         llama_cpp = importlib.import_module("llama_cpp")
@@ -139,13 +154,18 @@ def main() -> None:
         torch.set_num_threads(threads)
         time_ours(llm, chats[:1], 4)  # warm-up both
         time_transformers(hf_model, hf_tok, chats[:1], 4)
+        llama = load_llama_cpp(threads, max(contexts) + args.decode_tokens + 8)
         for label, batch in (("batch 1", chats[:1]), (f"{len(chats)} concurrent", chats)):
             ours_s, ours_n = time_ours(llm, batch, args.tokens)
             hf_s, hf_n = time_transformers(hf_model, hf_tok, batch, args.tokens)
-            rows.append({"threads": threads, "case": label, "fdserve_tok_s": ours_n / ours_s,
-                         "transformers_tok_s": hf_n / hf_s, "ratio": (ours_n / ours_s) / (hf_n / hf_s),
-                         "tokens": ours_n})
-        llama = load_llama_cpp(threads, max(contexts) + args.decode_tokens + 8)
+            chat_row = {"threads": threads, "case": label, "fdserve_tok_s": ours_n / ours_s,
+                        "transformers_tok_s": hf_n / hf_s, "ratio": (ours_n / ours_s) / (hf_n / hf_s),
+                        "tokens": ours_n}
+            if llama is not None and len(batch) == 1:
+                chat_llama_cpp(llama, hf_tok, batch[0], 4)                   # warm-up
+                cpp_s, cpp_n = chat_llama_cpp(llama, hf_tok, batch[0], args.tokens)
+                chat_row.update(llama_cpp_tok_s=cpp_n / cpp_s, ratio_llama_cpp=(ours_n / ours_s) / (cpp_n / cpp_s))
+            rows.append(chat_row)
         for length in contexts:
             seed = 10 * length + threads                                     # new prompts for every row set
             row: dict[str, Any] = {"threads": threads, "context": length,
@@ -162,10 +182,12 @@ def main() -> None:
               "attention": llm.engine.backend.name, "max_tokens": args.tokens, "rows": rows, "long_rows": long_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"{'threads':>7} {'case':<16}{'fdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}")
+    print(f"{'threads':>7} {'case':<16}{'fdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}"
+          f"{'llama.cpp tok/s':>17}{'ratio':>8}")
     for r in rows:
+        cpp = (f"{r['llama_cpp_tok_s']:>17.1f}{r['ratio_llama_cpp']:>8.2f}" if "llama_cpp_tok_s" in r else "")
         print(f"{r['threads']:>7} {r['case']:<16}{r['fdserve_tok_s']:>15.1f}{r['transformers_tok_s']:>20.1f}"
-              f"{r['ratio']:>8.2f}")
+              f"{r['ratio']:>8.2f}{cpp}")
     print(f"{'threads':>7} {'context':>7} {'engine':<13}{'prefill tok/s':>14}{'decode tok/s':>13}")
     for r in long_rows:
         for name in ("fdserve", "transformers", "llama_cpp"):

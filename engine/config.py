@@ -119,7 +119,8 @@ class BackendConfig(_Section):
     cpu_threads: int | None = Field(None, ge=1)
     cpu_weight_dtype: CpuWeightDtype = Field(
         "auto", description="CPU weights: auto = bfloat16 where a startup probe finds it fast, int4 decode "
-                           "weights where the checkpoint is already 4-bit; int4 = bf16 plus int4 for decode")
+                           "weights where the checkpoint is already 4-bit, an int8 LM head for decode; "
+                           "int4 = bf16 plus int4 layers and the int8 LM head for decode")
     cpu_attention: CpuAttention = Field(
         "fused", description="CPU attention: fused = torch SDPA / one-pass decode; reference = the paged oracle")
     kv_cache_dtype: KvCacheDtype = Field(

@@ -13,8 +13,9 @@ startup: `F.linear`, or on a GPU with `[flashdecoding] adaptive_matmul` the per-
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -61,14 +62,29 @@ class HasWeight(nn.Module):
     def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x·Wᵀ (+ b): `decode_weight` for rows up to its `max_tokens` in a decode-only step, else `linear`.
 
-        Prompt tokens always take the dense weight, so a prompt's logits do not depend on how much of
-        it a prefix-cache hit left to compute."""
+        Prompt tokens always take the dense weight (prompt logprobs are computed outside any step), so a
+        prompt's logits do not depend on how much of it a prefix-cache hit left to compute."""
         decode = self.decode_weight
-        if (decode is not None and x.dim() == 2 and x.shape[0] <= decode.max_tokens
-                and step_is_decode_only() is not False):
+        if decode is not None and x.dim() == 2 and (_decode_weights_for_every_row or (
+                x.shape[0] <= decode.max_tokens and step_is_decode_only() is True)):
             out = decode(x)
             return out if bias is None else out + bias
         return linear(x, self.weight, bias)
+
+
+_decode_weights_for_every_row = False
+
+
+@contextlib.contextmanager
+def decode_weights_for_every_row() -> Iterator[None]:
+    """Every product of a layer with a decode weight runs it, prompt rows included: how a quantized
+    decode weight is scored teacher-forced on real text."""
+    global _decode_weights_for_every_row
+    previous, _decode_weights_for_every_row = _decode_weights_for_every_row, True
+    try:
+        yield
+    finally:
+        _decode_weights_for_every_row = previous
 
 
 def configure_matmul(fd: FlashDecodingConfig, device: torch.device, dtype: torch.dtype,

@@ -203,10 +203,11 @@ class ModelRunner:
             step.input_ids = input_ids.to(self.device)
         with forward_context(step.metadata, self.backend):
             hidden = self.model(step.input_ids, step.metadata.positions)
+            # inside the step, so that a decode step's rows take the LM head's decode weight
+            logits = self._compute_logits(hidden[step.logits_indices]) if step.sampled_seqs else None
         prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
-        if not step.sampled_seqs:
+        if logits is None:
             return ExecuteResult(torch.empty(0), [], step.metadata.counters, prompt_hidden)
-        logits = self._compute_logits(hidden[step.logits_indices])
         return ExecuteResult(logits.float(), step.sampled_seqs, step.metadata.counters, prompt_hidden)
 
     def prompt_logits(self, part: PromptHidden, lo: int, hi: int) -> torch.Tensor:

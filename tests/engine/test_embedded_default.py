@@ -3,7 +3,8 @@ for token as transformers does on the same weights; in bfloat16 (what `cpu_weigh
 picks on CPUs with fast bf16 matmuls) it still answers, and teacher-forced on real text it predicts
 the float32 model's next token at >= 95 % of positions (measured 96.9 % on this text, 96.9-99.6 %
 over the calibration texts: bf16 rounding of weights and activations together flips near-ties).
-"auto" also gives its Q4 layers int4 decode weights (their own 4-bit codes): the same holds.
+"auto" also gives its Q4 layers int4 decode weights (their own 4-bit codes) and the LM head an int8
+one: scored through them on every position, the same holds.
 With an FP8 KV cache (`kv_cache_dtype = "fp8_e4m3"`) it answers too, and at 2K context follows the
 float32 cache's next token at >= 90 % of 256 positions (measured 94.1 % on this text, 91.4-97.3 %
 over the calibration texts: e4m3 keeps 3 mantissa bits of every K and V value)."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.layers import HasWeight
+from engine.model.layers import HasWeight, decode_weights_for_every_row
 from engine.tools.calibration_run import default_texts
 
 SCORED_TOKENS = 256      # teacher-forced positions compared, after a 768-token context
@@ -99,25 +100,31 @@ def test_auto_packs_the_q4_layers():
         pytest.skip("this CPU's bf16 matmuls are not fast: auto runs float32, dense")
     layers = [m for m in auto.engine.model.modules() if isinstance(m, HasWeight)]
     packed = [m for m in layers if m.decode_weight is not None]
-    assert len(packed) == 4 * 30 and auto.engine.model.lm_head.decode_weight is None
-    assert "int4" in auto.engine.cpu_weights_text
+    assert len(packed) == 4 * 30 + 1 and auto.engine.model.lm_head.decode_weight is not None
+    assert "int4" in auto.engine.cpu_weights_text and "int8 LM head" in auto.engine.cpu_weights_text
 
 
 def test_int4_decode_weights_follow_float32_teacher_forced(llm, int4_llm):
-    """The int4 weights scored on the prompt positions (products of any size through the int4 kernel)."""
+    """The decode weights (int4 layers, int8 LM head) scored on every prompt position."""
     tokens = real_text_tokens(llm)
-    packed = [m.decode_weight for m in int4_llm.engine.model.modules()
-              if isinstance(m, HasWeight) and m.decode_weight is not None]
-    assert len(packed) == 4 * 30 and int4_llm.engine.model.lm_head.decode_weight is None
-    limits = [weight.max_tokens for weight in packed]
-    for weight in packed:
-        weight.max_tokens = len(tokens)
-    try:
+    packed = [m for m in int4_llm.engine.model.modules() if isinstance(m, HasWeight) and m.decode_weight is not None]
+    assert len(packed) == 4 * 30 + 1 and int4_llm.engine.model.lm_head in packed
+    with decode_weights_for_every_row():
         agree = agreement(scored_top1(llm, tokens), scored_top1(int4_llm, tokens))
-    finally:
-        for weight, limit in zip(packed, limits, strict=True):
-            weight.max_tokens = limit
     assert agree >= MIN_AGREEMENT, f"int4 predicts the float32 next token at {agree:.1%} of {SCORED_TOKENS} positions"
+
+
+def test_decode_weights_run_only_where_asked(int4_llm):
+    """Prompt positions take the dense weights unless told otherwise, so prompt logprobs do not depend on
+    how a prompt was split into steps; scoring through the decode weights changes them."""
+    tokens = real_text_tokens(int4_llm)[:200]
+    dense = int4_llm.generate(tokens, SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+    again = int4_llm.generate(tokens, SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+    with decode_weights_for_every_row():
+        packed = int4_llm.generate(tokens, SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
+    logprob = [entry.top[0][1] for entry in dense[1:]]
+    assert logprob == [entry.top[0][1] for entry in again[1:]]
+    assert logprob != [entry.top[0][1] for entry in packed[1:]]
 
 
 def test_bfloat16_weights_follow_float32_teacher_forced(llm, bf16_llm):

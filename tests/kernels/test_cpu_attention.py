@@ -84,8 +84,8 @@ def test_decode_matches_float64_and_the_reference(case, dtype):
 
 
 # Past GATHER_MAX_LEN each sequence reads its pages in place: one run, a few runs, more runs than
-# MAX_PAGE_RUNS (gathered), half pages above and below NATIVE_HALF_MIN_LEN.
-LONG_LENS = [cpu.NATIVE_HALF_MIN_LEN + 37, cpu.GATHER_MAX_LEN + 1, 3]
+# MAX_PAGE_RUNS (gathered); SDPA up to SDPA_MAX_LEN, past it the products (half pages in place).
+LONG_LENS = [cpu.SDPA_MAX_LEN + 37, cpu.NATIVE_HALF_MIN_LEN + 37, cpu.GATHER_MAX_LEN + 1, 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,7 +94,7 @@ def test_long_decode_reads_pages_in_place(in_order, dtype):
     k_cache, v_cache, tables, seq_lens, gen = paged(LONG_LENS, 2, 64, 16, dtype, seed=7, in_order=in_order)
     runs = page_runs(tables, seq_lens, 16)
     if in_order:
-        assert [len(r) for r in runs] == [1, 1, 1]
+        assert [len(r) for r in runs] == [1] * len(LONG_LENS)
     else:
         assert all(len(r) > cpu.MAX_PAGE_RUNS for r in runs[:2])
     q = torch.randn(len(LONG_LENS), 6, 64, generator=gen).to(dtype)
@@ -112,17 +112,37 @@ def test_page_runs_split_where_block_ids_jump():
         [PageRun(4, 3, 48), PageRun(9, 2, 32), PageRun(2, 1, 3)], [PageRun(7, 1, 16)], []]
 
 
-def test_a_few_runs_in_place_and_an_empty_sequence():
-    k_cache, v_cache, tables, _, gen = paged([1500], 3, 32, 16, torch.float32, seed=2, in_order=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_runs_in_place_and_an_empty_sequence(dtype):
+    """Each run through SDPA, the runs merged by their log-sum-exps."""
+    k_cache, v_cache, tables, _, gen = paged([1500], 3, 32, 16, dtype, seed=2, in_order=True)
     tables[0, 30:36] = tables[0, 30:36].flip(0)          # 8 runs: 30 pages, six single pages, the rest
     tables = torch.cat([tables, torch.zeros_like(tables)])
     seq_lens = torch.tensor([1500, 0], dtype=torch.int32)
     runs = page_runs(tables, seq_lens, 16)
     assert len(runs[0]) == 8 <= cpu.MAX_PAGE_RUNS and runs[1] == []
-    q = torch.randn(2, 6, 32, generator=gen)
+    q = torch.randn(2, 6, 32, generator=gen).to(dtype)
     out = decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, scale=0.2)
     exact = oracle(q[:1], k_cache, v_cache, tables[0], 1500, [1499], 0.2)
-    assert rel_err(out[:1], exact) < FLOAT32_TOL and torch.equal(out[1], torch.zeros_like(out[1]))
+    err = rel_err(out[:1], exact)
+    assert err < (FLOAT32_TOL if dtype == torch.float32 else BF16_TOL), f"rel. error {err:.2e}"
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("lens", [[100], [100, 37], [cpu.GATHER_MAX_LEN + 5]])
+def test_short_decode_runs_the_cpu_flash_kernel(lens):
+    """A lone short sequence, a short batch (masked) and a sequence in place: SDPA's flash kernel."""
+    from torch.profiler import profile
+
+    k_cache, v_cache, tables, seq_lens, gen = paged(lens, 3, 64, 16, torch.bfloat16, seed=4, in_order=True)
+    q = torch.randn(len(lens), 9, 64, generator=gen).to(torch.bfloat16)
+    with profile() as prof:
+        out = decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, scale=0.125)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    exact = torch.cat([oracle(q[b:b + 1], k_cache, v_cache, tables[b], n, [n - 1], 0.125) for b, n in enumerate(lens)])
+    assert rel_err(out, exact) < BF16_TOL
 
 
 def test_decode_in_float64_stays_float64():
