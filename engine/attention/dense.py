@@ -130,7 +130,7 @@ class DenseBackend(AttentionBackend):
         self.triton = on_gpu                     # Triton kernels (GPU; the interpreter in tests)
         self.cpu_fused = not on_gpu and cpu_attention == "fused"
         self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
-        self.page_runs: list[list[cpu.PageRun]] | None = None   # this step's, from layer 0
+        self.decode_layout: cpu.DecodeLayout | None = None   # this step's, from layer 0
         self.fuse_rope_store = on_gpu
         self.configs = vendor_configs(vendor)
         self.num_splits = fd.num_splits
@@ -215,12 +215,10 @@ class DenseBackend(AttentionBackend):
             return self._run_plan(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         counters = metadata.counters
         if self.cpu_fused_decode:
-            if layer_idx == 0 or self.page_runs is None:   # the step's block tables, once for all layers
-                seq_lens = metadata.seq_lens
-                in_place = seq_lens.numel() > 0 and cpu.reads_in_place(seq_lens.numel(), int(seq_lens.max()))
-                self.page_runs = cpu.page_runs(metadata.block_tables, seq_lens, k_cache.shape[1]) if in_place else []
+            if layer_idx == 0 or self.decode_layout is None:   # the step's block tables, once for all layers
+                self.decode_layout = cpu.decode_layout(metadata.block_tables, metadata.seq_lens, k_cache.shape[1])
             return cpu.decode_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                            scale=scale, runs=self.page_runs, **self._scales(layer_idx))
+                                            scale=scale, layout=self.decode_layout, **self._scales(layer_idx))
         if self.variant == "standard":
             return reference.decode_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                   scale=scale, **self._scales(layer_idx))

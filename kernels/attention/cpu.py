@@ -2,8 +2,10 @@
 
 Same signatures and cache layout as `kernels.attention.reference` (its torch references stay the
 oracle). Prefill runs `scaled_dot_product_attention` (CPU flash kernels) over each sequence's
-gathered K/V; decode is one exact pass: short batches gathered once, long sequences read in place
-(a run of consecutive pages in the NHD layout is a strided [tokens, Hkv, D] view). In prefill a
+gathered K/V; decode is one exact pass through SDPA too: short batches gathered once, long sequences
+read in place (a run of consecutive pages in the NHD layout is a strided [tokens, Hkv, D] view), cut
+into chunks attended as one batch and merged by their log-sum-exps (split-KV on the CPU: the flash
+kernel parallelises over batch x heads only, and one sequence has a few KV heads). In prefill a
 group's query heads see their KV head expanded, because SDPA's `enable_gqa` on the CPU is several
 times slower than the expanded call. FP8 pages (`kernels.attention.kv_quant`) are dequantized
 as they are read: a gather, or each run of pages converted once per layer.
@@ -78,15 +80,13 @@ GATHER_MAX_LEN = 1024
 # 100 tokens of context 19.4 against 20.3 ms a token, even at 500, 1.04x slower at 1,000 (embedded default,
 # 2-core AVX512/AMX CPU).
 GATHER_MAX_LEN_ONE = 512
-# Half-precision pages of at least this many tokens are multiplied as they are, one KV head at a
-# time; shorter ones are converted to float32 first, where the fixed cost of a bf16 matmul of a few
-# query rows (~40 us) outweighs the conversion.
-NATIVE_HALF_MIN_LEN = 2048
-# A sequence of up to this many tokens is attended by SDPA's CPU flash kernel; longer half-precision
-# pages by `_attend_half` (on a 2-core AVX512/AMX CPU, 30 layers of bf16 pages: 0.18 against
-# 0.36 ms a layer at 2,048 tokens, 0.50 against 0.53 at 4,096, 0.80 against 0.70 at 5,700).
-SDPA_MAX_LEN = 4096
-# A block table in more pieces than this is gathered instead (each piece costs two matmuls).
+# A lone piece of KV up to this many tokens is one SDPA call; a longer one is cut into up to `KV_SPLITS`
+# chunks of at least `KV_SPLIT_MIN_CHUNK` tokens, one batched call (embedded default, 2 threads of an
+# AVX512/AMX CPU: 32.6 against 41.2 ms a token at 5,700 tokens of context, 23.7 against 26.7 at 3,000).
+KV_SPLIT_MIN_LEN = 1024
+KV_SPLITS = 4
+KV_SPLIT_MIN_CHUNK = 512
+# A block table in more pieces than this is gathered instead (each piece costs an SDPA call).
 MAX_PAGE_RUNS = 16
 
 
@@ -118,31 +118,53 @@ def page_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: in
     return runs
 
 
-def reads_in_place(batch: int, max_len: int) -> bool:
-    """Whether `decode_attention_cpu` reads this step's pages in place (and so uses `page_runs`)."""
-    return max_len > (GATHER_MAX_LEN_ONE if batch == 1 else GATHER_MAX_LEN)
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Where a decode step's K/V lie, worked out once per step: every layer reads the same pages.
+
+    Short steps are gathered (`pages`: each sequence's first `num_pages` block ids, int64, and for a
+    batch `visible`, [B, padded] True on real tokens); longer ones read each sequence's `runs` in place."""
+
+    max_len: int
+    runs: list[list[PageRun]] | None = None
+    pages: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+
+
+def decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeLayout:
+    """The step's `DecodeLayout` for `decode_attention_cpu`."""
+    batch = seq_lens.shape[0]
+    max_len = int(seq_lens.max()) if batch else 0
+    if max_len == 0:
+        return DecodeLayout(0)
+    if max_len > (GATHER_MAX_LEN_ONE if batch == 1 else GATHER_MAX_LEN):
+        return DecodeLayout(max_len, runs=page_runs(block_tables, seq_lens, block_size))
+    num_pages = (max_len + block_size - 1) // block_size
+    pages = block_tables[:, :num_pages].long()
+    if batch == 1:
+        return DecodeLayout(max_len, pages=pages)
+    visible = torch.arange(num_pages * block_size, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return DecodeLayout(max_len, pages=pages, visible=visible)
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                         runs: list[list[PageRun]] | None = None, k_scale: torch.Tensor | None = None,
+                         layout: DecodeLayout | None = None, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.decode_attention_ref` without per-page Python: q[B, Hq, D] -> [B, Hq, D].
 
-    A batch whose sequences are all short is gathered and padded once (two batched matmuls);
-    otherwise each sequence multiplies its pages where they lie, one matmul per run of consecutive
-    pages (`runs`, from `page_runs`: computed here when not given, or once per step by the caller).
-    Scores and softmax are float32 (or float64 for float64 inputs)."""
-    batch = q.shape[0]
-    max_len = int(seq_lens.max().item()) if batch else 0
-    if max_len == 0:
+    A batch whose sequences are all short is gathered and padded once (one SDPA call); otherwise each
+    sequence attends its pages where they lie, one call per run of consecutive pages. `layout` (from
+    `decode_layout`) says which: computed here when not given, or once per step by the caller.
+    Softmax and accumulation are float32 (or float64 for float64 inputs)."""
+    if layout is None:
+        layout = decode_layout(block_tables, seq_lens, k_cache.shape[1])
+    if layout.max_len == 0:
         return torch.zeros_like(q)
-    if not reads_in_place(batch, max_len):
-        return _decode_gathered(q, k_cache, v_cache, block_tables, seq_lens, scale, max_len, k_scale, v_scale)
-    if runs is None:
-        runs = page_runs(block_tables, seq_lens, k_cache.shape[1])
+    if layout.runs is None:
+        return _decode_gathered(q, k_cache, v_cache, layout, scale, k_scale, v_scale)
     out = torch.empty_like(q)
-    for b, seq_runs in enumerate(runs):
+    for b, seq_runs in enumerate(layout.runs):
         if not seq_runs:
             out[b].zero_()
             continue
@@ -169,100 +191,68 @@ def _run_view(cache: torch.Tensor, run: PageRun) -> torch.Tensor:
 
 def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                 scale: float) -> torch.Tensor:
-    """One query token q[Hq, D] over its KV in pieces ([n_i, Hkv, D] each) -> [Hq, D] in q's dtype."""
-    length = sum(k.shape[0] for k in keys)
-    if length <= SDPA_MAX_LEN:
-        return _attend_sdpa(q, keys, values, scale)
-    num_kv_heads, head_dim = keys[0].shape[1], keys[0].shape[2]
-    group = q.shape[0] // num_kv_heads
-    compute = torch.promote_types(q.dtype, torch.float32)
-    native = keys[0].dtype == compute or length >= NATIVE_HALF_MIN_LEN
-    if not native:
-        keys = [k.to(compute) for k in keys]
-        values = [v.to(compute) for v in values]
-    if keys[0].dtype != compute:
-        return _attend_half(q, keys, values, scale, group)
-    qg = q.view(num_kv_heads, group, head_dim).to(compute)
-    # one batched matmul over the KV heads of each piece
-    scores = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in keys], dim=-1)
-    probs = torch.softmax(scores.mul_(scale), dim=-1)   # [Hkv, G, length]
-    out = torch.zeros(num_kv_heads, group, head_dim, dtype=compute, device=q.device)
-    offset = 0
-    for v in values:
-        out += torch.matmul(probs[..., offset:offset + v.shape[0]], v.permute(1, 0, 2))
-        offset += v.shape[0]
-    return out.view(-1, head_dim).to(q.dtype)
-
-
-def _attend_sdpa(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """One query token q[Hq, D] over its KV in pieces (strided [n_i, Hkv, D] views of the pages) through
-    SDPA's CPU flash kernel, a group's query heads as the rows of its KV head: one call per piece, float32
-    softmax and accumulation, pieces merged by their log-sum-exps. On a 2-core AVX512 CPU one piece of
-    100 tokens takes 18 us (four products and a softmax: 78 us), of 2,048 bf16 tokens 0.18 against
-    `_attend_half`'s 0.36 ms (`SDPA_MAX_LEN`)."""
+    """One query token q[Hq, D] over its KV in pieces (contiguous [n_i, Hkv, D] views of the pages) ->
+    [Hq, D] in q's dtype, through SDPA's CPU flash kernel with a group's query heads as the rows of their
+    KV head. Pieces longer than `KV_SPLIT_MIN_LEN` are cut into up to `KV_SPLITS` equal chunks that one
+    call takes as a batch: the kernel parallelises over batch x heads only, and a lone sequence's few KV
+    heads leave a core idle. Every chunk's output is merged by its log-sum-exp, exactly."""
     num_kv_heads, head_dim = keys[0].shape[1], keys[0].shape[2]
     dtype = keys[0].dtype
     qg = q.to(dtype).view(1, num_kv_heads, -1, head_dim)
-    if len(keys) == 1:
+    if len(keys) == 1 and keys[0].shape[0] <= KV_SPLIT_MIN_LEN:
         out = F.scaled_dot_product_attention(qg, keys[0].permute(1, 0, 2)[None], values[0].permute(1, 0, 2)[None],
                                              scale=scale)
         return out.reshape(q.shape).to(q.dtype)
-    parts = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qg, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], scale=scale) for k, v in zip(keys, values, strict=True)]
-    weights = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)   # [pieces, 1, Hkv, G]
-    out = sum(w[..., None] * piece.float() for w, (piece, _) in zip(weights, parts, strict=True))
-    return out.reshape(q.shape).to(q.dtype)
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+    for k, v in zip(keys, values, strict=True):
+        for k_chunks, v_chunks in zip(_chunks(k), _chunks(v), strict=True):   # [n, Hkv, L, D] each
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qg.expand(k_chunks.shape[0], -1, -1, -1), k_chunks, v_chunks, scale=scale)
+            outs.append(out)    # [n, Hkv, G, D]
+            lses.append(lse)    # [n, Hkv, G]
+    weights = torch.softmax(torch.cat(lses), dim=0)
+    merged = (weights[..., None] * torch.cat(outs).float()).sum(0)
+    return merged.reshape(q.shape).to(q.dtype)
 
 
-def _attend_half(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
-                 group: int) -> torch.Tensor:
-    """`_attend_one` on half-precision pages in place: every query head against every KV head of a
-    piece in one contiguous GEMM ([Hq, D] x [n * Hkv, D]ᵀ, then [Hq, n] x [n, Hkv * D]) and each
-    head's own KV head taken from the result. That multiplies Hkv times the needed flops but reads
-    each piece once, contiguously; per-head products over the strided [n, D] slices cost 1.25x as
-    much on a 2-core AVX512/AMX CPU at 6K tokens."""
-    num_kv_heads, head_dim = keys[0].shape[1], keys[0].shape[2]
-    num_heads = q.shape[0]
-    qh = q.to(keys[0].dtype)
-    scores = torch.cat([torch.diagonal((qh @ k.reshape(-1, head_dim).t()).view(num_kv_heads, group, -1, num_kv_heads),
-                                       dim1=0, dim2=3) for k in keys], dim=1)   # [G, length, Hkv]
-    probs = torch.softmax(scores.permute(2, 0, 1).float().mul_(scale), dim=-1)   # [Hkv, G, length]
-    out = torch.zeros(num_kv_heads, group, head_dim, dtype=torch.float32, device=q.device)
-    offset = 0
-    for v in values:
-        p = probs[..., offset:offset + v.shape[0]].reshape(num_heads, -1).to(v.dtype)
-        offset += v.shape[0]
-        both = (p @ v.reshape(v.shape[0], -1)).view(num_kv_heads, group, num_kv_heads, head_dim)
-        out += torch.diagonal(both, dim1=0, dim2=2).permute(2, 0, 1).float()
-    return out.view(-1, head_dim).to(q.dtype)
+def _chunks(kv: torch.Tensor) -> list[torch.Tensor]:
+    """kv[n, Hkv, D] (contiguous rows) as [splits, Hkv, chunk, D] views of equal chunks, plus the rest."""
+    length = kv.shape[0]
+    splits = min(KV_SPLITS, max(1, length // KV_SPLIT_MIN_CHUNK)) if length > KV_SPLIT_MIN_LEN else 1
+    chunk = length // splits
+    full = chunk * splits
+    parts = [kv[:full].view(splits, chunk, *kv.shape[1:]).transpose(1, 2)]
+    if full < length:
+        parts.append(kv[full:].transpose(0, 1)[None])
+    return parts
 
 
-def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_len: int, k_scale: torch.Tensor | None,
-                     v_scale: torch.Tensor | None) -> torch.Tensor:
+def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout,
+                     scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
     """The batch's pages gathered into one padded [B, padded, Hkv, D] per cache, attended by one SDPA
     call (a group's query heads as the rows of its KV head); one sequence is cut to its length, a
     batch's padding is masked and zeroed (stale pages may hold NaN, and 0 * NaN = NaN)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_pages = (max_len + block_size - 1) // block_size
-    padded = num_pages * block_size
-    pages = block_tables[:, :num_pages].long()
+    assert layout.pages is not None
+    pages = layout.pages.flatten()
+    padded = layout.pages.shape[1] * block_size
     dtype = q.dtype if k_scale is not None else k_cache.dtype
 
     def gather(cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:   # [B, padded, Hkv, D]
-        gathered = cache[pages].view(batch, padded, num_kv_heads, head_dim)
+        gathered = cache.index_select(0, pages).view(batch, padded, num_kv_heads, head_dim)
         return gathered if kv_scale is None else dequantize_kv(gathered, kv_scale, dtype)
 
     k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
     mask = None
-    if batch == 1:
-        k, v = k[:, :max_len], v[:, :max_len]
+    if layout.visible is None:
+        k, v = k[:, :layout.max_len], v[:, :layout.max_len]
     else:
-        visible = torch.arange(padded, device=q.device)[None, :] < seq_lens[:, None].to(q.device)   # [B, padded]
-        k.masked_fill_(~visible[:, :, None, None], 0.0)
-        v.masked_fill_(~visible[:, :, None, None], 0.0)
-        mask = visible[:, None, None, :]
+        hidden = ~layout.visible[:, :, None, None]
+        k.masked_fill_(hidden, 0.0)
+        v.masked_fill_(hidden, 0.0)
+        mask = layout.visible[:, None, None, :]
     qg = q.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qg, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask,
                                          scale=scale)

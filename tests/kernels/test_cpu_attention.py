@@ -84,8 +84,20 @@ def test_decode_matches_float64_and_the_reference(case, dtype):
 
 
 # Past GATHER_MAX_LEN each sequence reads its pages in place: one run, a few runs, more runs than
-# MAX_PAGE_RUNS (gathered); SDPA up to SDPA_MAX_LEN, past it the products (half pages in place).
-LONG_LENS = [cpu.SDPA_MAX_LEN + 37, cpu.NATIVE_HALF_MIN_LEN + 37, cpu.GATHER_MAX_LEN + 1, 3]
+# MAX_PAGE_RUNS (gathered); past KV_SPLIT_MIN_LEN a piece is cut into 2 and KV_SPLITS chunks plus a rest.
+LONG_LENS = [cpu.KV_SPLITS * cpu.KV_SPLIT_MIN_CHUNK + 37, cpu.KV_SPLIT_MIN_LEN + 37, cpu.GATHER_MAX_LEN + 1, 3]
+
+
+@pytest.mark.parametrize("length", [cpu.KV_SPLIT_MIN_LEN, cpu.KV_SPLIT_MIN_LEN + 1, 3 * cpu.KV_SPLIT_MIN_CHUNK,
+                                    cpu.KV_SPLITS * cpu.KV_SPLIT_MIN_CHUNK + 37, 20_000])
+def test_kv_chunks_cover_every_token_once_in_order(length):
+    kv = torch.randn(length, 3, 8)
+    chunks = cpu._chunks(kv)
+    splits = chunks[0].shape[0]
+    expected = 1 if length <= cpu.KV_SPLIT_MIN_LEN else min(cpu.KV_SPLITS, length // cpu.KV_SPLIT_MIN_CHUNK)
+    assert splits == expected and len(chunks) == (1 if length % splits == 0 else 2)
+    rows = torch.cat([c.transpose(1, 2).reshape(-1, 3, 8) for c in chunks])
+    assert torch.equal(rows, kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
