@@ -122,13 +122,15 @@ def page_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: in
 class DecodeLayout:
     """Where a decode step's K/V lie, worked out once per step: every layer reads the same pages.
 
-    Short steps are gathered (`pages`: each sequence's first `num_pages` block ids, int64, and for a
-    batch `visible`, [B, padded] True on real tokens); longer ones read each sequence's `runs` in place."""
+    Short steps are gathered (`pages`: each sequence's first `num_pages` block ids, int64; for a batch
+    `mask`, [B, 1, 1, padded] True on real tokens, and `padding`, [B, padded, 1, 1] its complement);
+    longer ones read each sequence's `runs` in place."""
 
     max_len: int
     runs: list[list[PageRun]] | None = None
     pages: torch.Tensor | None = None
-    visible: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
 
 
 def decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeLayout:
@@ -144,7 +146,7 @@ def decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
     if batch == 1:
         return DecodeLayout(max_len, pages=pages)
     visible = torch.arange(num_pages * block_size, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return DecodeLayout(max_len, pages=pages, visible=visible)
+    return DecodeLayout(max_len, pages=pages, mask=visible[:, None, None, :], padding=~visible[:, :, None, None])
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -245,15 +247,12 @@ def _decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return gathered if kv_scale is None else dequantize_kv(gathered, kv_scale, dtype)
 
     k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
-    mask = None
-    if layout.visible is None:
+    if layout.padding is None:
         k, v = k[:, :layout.max_len], v[:, :layout.max_len]
     else:
-        hidden = ~layout.visible[:, :, None, None]
-        k.masked_fill_(hidden, 0.0)
-        v.masked_fill_(hidden, 0.0)
-        mask = layout.visible[:, None, None, :]
+        k.masked_fill_(layout.padding, 0.0)
+        v.masked_fill_(layout.padding, 0.0)
     qg = q.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask,
+    out = F.scaled_dot_product_attention(qg, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=layout.mask,
                                          scale=scale)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
