@@ -8,10 +8,15 @@ queries, K/V drawn with a different magnitude per KV head and quantized with per
 copy of the cache must fit beside it), and prefill chunks of 2K rows after cached prefixes.
 
     python bench/kv_fp8.py --check --bench --out bench/results/kv_fp8
+
+`--sweep` times the flash kernel over bf16 and e4m3 pages under each launch shape of `SWEEP`
+(tile, warps, pipelining, splits) at B x L = 1 x 100K and 32 x 16K, each against the same float32
+oracle, so a config is kept per KV byte width only from one run's side-by-side numbers.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python bench/k
 
 from kernels import decode_attention, prefill_attention  # noqa: E402
 from kernels.attention.fdpp import new_stats  # noqa: E402
+from kernels.attention.flash_decoding import flash_decode  # noqa: E402
 from kernels.attention.kv_quant import dequantize_kv, fp8_max, quantize_kv  # noqa: E402
+from kernels.vendor import DecodeConfig  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -182,10 +189,142 @@ def bench() -> list[dict[str, Any]]:
     return rows
 
 
+# name -> DecodeConfig fields (the rest as DecodeConfig's defaults)
+SWEEP: dict[str, dict[str, Any]] = {
+    "default": {},
+    "ctas4": {"ctas_per_sm": 4},
+    "ctas6": {"ctas_per_sm": 6},
+    "ctas8": {"ctas_per_sm": 8},
+    "ctas12": {"ctas_per_sm": 12},
+    "prefetch_s1": {"prefetch": True, "num_stages": 1},
+    "prefetch_s2": {"prefetch": True, "num_stages": 2},
+    "prefetch_s1_ctas6": {"prefetch": True, "num_stages": 1, "ctas_per_sm": 6},
+    "window8_s2": {"page_window": 8, "num_stages": 2},
+    "window16_s3": {"page_window": 16, "num_stages": 3},
+    "window16_s4": {"page_window": 16, "num_stages": 4},
+    "window32_s3": {"page_window": 32, "num_stages": 3},
+    "window16_s3_ctas6": {"page_window": 16, "num_stages": 3, "ctas_per_sm": 6},
+    "n64": {"block_n": 64},
+    "n64_ctas8": {"block_n": 64, "ctas_per_sm": 8},
+    "n64_w2_ctas12": {"block_n": 64, "num_warps": 2, "ctas_per_sm": 12},
+    "n256_w4": {"block_n": 256},
+    "n256_w8": {"block_n": 256, "num_warps": 8},
+    "n256_w8_ctas4": {"block_n": 256, "num_warps": 8, "ctas_per_sm": 4},
+    "w8": {"num_warps": 8},
+    "w2": {"num_warps": 2},
+    "w2_ctas12": {"num_warps": 2, "ctas_per_sm": 12},
+    "n64_w2": {"block_n": 64, "num_warps": 2},
+    "n64_w2_ctas16": {"block_n": 64, "num_warps": 2, "ctas_per_sm": 16},
+    "n64_w2_ctas24": {"block_n": 64, "num_warps": 2, "ctas_per_sm": 24},
+    "n64_w2_s2_ctas12": {"block_n": 64, "num_warps": 2, "num_stages": 2, "ctas_per_sm": 12},
+    "n64_w2_s4_ctas12": {"block_n": 64, "num_warps": 2, "num_stages": 4, "ctas_per_sm": 12},
+    "n64_w1_ctas16": {"block_n": 64, "num_warps": 1, "ctas_per_sm": 16},
+    "n64_w1_ctas32": {"block_n": 64, "num_warps": 1, "ctas_per_sm": 32},
+    "n32_w1_ctas32": {"block_n": 32, "num_warps": 1, "ctas_per_sm": 32},
+    "n32_w1_ctas16": {"block_n": 32, "num_warps": 1, "ctas_per_sm": 16},
+    "n32_w1_ctas48": {"block_n": 32, "num_warps": 1, "ctas_per_sm": 48},
+    "n16_w1_ctas32": {"block_n": 16, "num_warps": 1, "ctas_per_sm": 32},
+    "n32_w2_ctas16": {"block_n": 32, "num_warps": 2, "ctas_per_sm": 16},
+    "n128_w2_ctas8": {"num_warps": 2, "ctas_per_sm": 8},
+    "n64_w4_ctas12": {"block_n": 64, "ctas_per_sm": 12},
+}
+FDPP_SWEEP = ("default", "n64_w2_ctas12")   # also timed through the FD++ kernel
+
+
+def graph_time(step: Any, iters: int = 50) -> float:
+    """us per replay of `step` captured as a CUDA graph (after three eager warm-up calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def sweep() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for batch, length in ((1, 100_000), (32, 16_384)):
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            gen = torch.Generator(device="cuda").manual_seed(2)
+            pages = make_pages(batch * length, kv_dtype, gen)
+            tables = tables_for(batch, length, gen)
+            seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+            scales = {"k_scale": pages.get("k_scale"), "v_scale": pages.get("v_scale")}
+            exact_k = dequantize_kv(pages["k"], scales["k_scale"])
+            exact_v = dequantize_kv(pages["v"], scales["v_scale"])
+            oracle = oracle_decode(q, exact_k, exact_v, tables, length)
+            del exact_k, exact_v
+            torch.cuda.empty_cache()
+            kv_bytes = 2 * batch * length * HKV * D * pages["k"].element_size()
+            for name, fields in SWEEP.items():
+                cfg = DecodeConfig(**fields)
+                row: dict[str, Any] = {"config": name, "kv_dtype": str(kv_dtype), "batch": batch, "len": length}
+                try:
+                    step = functools.partial(flash_decode, q, pages["k"], pages["v"], tables, seq_lens,
+                                             scale=SCALE, config=cfg,
+                                             k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+                    row["rel_err"] = rel_err(step(), oracle)
+                    row["us"] = graph_time(step)
+                    row["kv_GBps"] = kv_bytes / row["us"] / 1e3
+                except Exception as exc:   # a launch shape the compiler rejects is a row, not the end of the sweep
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for name in FDPP_SWEEP:
+                cfg = DecodeConfig(**SWEEP[name])
+                stats = new_stats(q.device)
+                step = functools.partial(decode_attention, q, pages["k"], pages["v"], tables, seq_lens, scale=SCALE,
+                                         variant="fdpp", config=cfg, stats=stats,
+                                         k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+                row = {"config": f"fdpp_{name}", "kv_dtype": str(kv_dtype), "batch": batch, "len": length,
+                       "rel_err": rel_err(step(), oracle), "us": graph_time(step)}
+                row["kv_GBps"] = kv_bytes / row["us"] / 1e3
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del pages, oracle
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    """us per config and shape, bf16 beside e4m3, and e4m3 against bf16's default."""
+    if not rows:
+        return
+    cell = {(r["config"], r["batch"], r["kv_dtype"]): r for r in rows}
+    shapes = sorted({(r["batch"], r["len"]) for r in rows})
+    print("\n| config | " + " | ".join(f"{b}x{n} bf16 us | {b}x{n} e4m3 us | vs bf16 default" for b, n in shapes)
+          + " |\n|---|" + "---|---|---|" * len(shapes))
+    for name in (*SWEEP, *(f"fdpp_{n}" for n in FDPP_SWEEP)):
+        cells = []
+        for b, _ in shapes:
+            bf = cell.get((name, b, str(torch.bfloat16)), {})
+            f8 = cell.get((name, b, str(torch.float8_e4m3fn)), {})
+            anchor = cell.get(("default", b, str(torch.bfloat16)), {}).get("us")
+            ratio = f"{f8['us'] / anchor:.3f}" if "us" in f8 and anchor else "-"
+            cells += [f"{bf.get('us', float('nan')):.1f}", f"{f8.get('us', float('nan')):.1f}", ratio]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    worst = max((r.get("rel_err", 0.0) for r in rows), default=0.0)
+    print(f"sweep: worst rel. error {worst:.2e}; failed configs: "
+          f"{sorted({r['config'] for r in rows if 'error' in r}) or 'none'}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_fp8"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +333,8 @@ def main() -> int:
         result["check"] = check([torch.float8_e4m3fn, torch.float8_e5m2])
     if args.bench:
         result["bench"] = bench()
+    if args.sweep:
+        result["sweep"] = sweep()
     (args.out / "kv_fp8.json").write_text(json.dumps(result, indent=1))
     worst = max((r["rel_err"] for r in result.get("check", [])), default=0.0)
     print(f"\nworst rel. error {worst:.2e} over {len(result.get('check', []))} checks")
@@ -201,6 +342,7 @@ def main() -> int:
     for row in result.get("bench", []):
         print(f"| {row['variant']} | {row['batch']} | {row['len']} | {row['kv_dtype'].removeprefix('torch.')} | "
               f"{row['us']:.1f} | {row.get('vs_bf16', 1.0):.3f} | {row['kv_GBps']:.0f} |")
+    print_sweep(result.get("sweep", []))
     return 0 if worst < 1e-2 else 1
 
 

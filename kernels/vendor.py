@@ -84,6 +84,13 @@ class VendorConfigs:
     prefill: PrefillConfig
     store_warps: int = 4
     prefill_by_head_dim: dict[int, PrefillConfig] = field(default_factory=dict)
+    decode_fp8: DecodeConfig | None = None   # pages of 1-byte codes; None: `decode`
+
+    def decode_for(self, kv_dtype: torch.dtype) -> DecodeConfig:
+        """The flash / standard decode launch shape for pages of `kv_dtype`."""
+        if kv_dtype.itemsize == 1 and self.decode_fp8 is not None:
+            return self.decode_fp8
+        return self.decode
 
     def prefill_for(self, head_dim: int) -> PrefillConfig:
         """The prefill launch shape for `head_dim` (`prefill` where none is specific)."""
@@ -99,7 +106,10 @@ _CONFIGS = {
     # in shared memory with narrower KV tiles (not measured).
     "nvidia": VendorConfigs("nvidia", DecodeConfig(),
                             PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack=4, tma=True),
-                            prefill_by_head_dim={256: PrefillConfig(block_m=64, block_n=32, pack=4)}),
+                            prefill_by_head_dim={256: PrefillConfig(block_m=64, block_n=32, pack=4)},
+                            # FP8 pages: a tile of 1-byte codes is half the bytes, so many one-warp programs keep
+                            # enough loads in flight (the launch sweep of bench/kv_fp8.py, bench/RESULTS.md)
+                            decode_fp8=DecodeConfig(block_n=32, num_warps=1, ctas_per_sm=32)),
     # CDNA: 64 KB LDS per CU, so one pipeline stage and narrower KV tiles; MFMA 16x16 instructions.
     "amd": VendorConfigs(
         "amd",

@@ -47,7 +47,7 @@ from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, stor
 from kernels.attention import cpu, reference
 from kernels.attention.decode_host import check_shapes
 from kernels.attention.kv_quant import is_fp8
-from kernels.vendor import vendor_configs
+from kernels.vendor import DecodeConfig, vendor_configs
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
@@ -161,6 +161,9 @@ class DenseBackend(AttentionBackend):
         details = [splits_text]
         if self.variant == "fdpp":
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
+        fp8 = self.configs.decode_fp8
+        if on_gpu and fp8 is not None and self.variant != "fdpp":
+            details.append(f"FP8 pages: block_n={fp8.block_n}, {fp8.num_warps} warp(s), {fp8.ctas_per_sm} CTAs/SM")
         decode_text = f"{where}: {TITLES[self.variant]} ({', '.join(details)})"
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
@@ -191,8 +194,12 @@ class DenseBackend(AttentionBackend):
         return DensePlan(plan_decode(shape.num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                      spec.block_size, shape.table_width, dtype=spec.dtype, device=self.device,
                                      variant=self.variant, kv_dtype=spec.kv_dtype, num_splits=self.num_splits or None,
-                                     config=self.configs.decode, estimate_phi=self.estimate_phi,
+                                     config=self._decode_config(spec.kv_dtype), estimate_phi=self.estimate_phi,
                                      fallback=self.fallback))
+
+    def _decode_config(self, kv_dtype: torch.dtype) -> DecodeConfig:
+        """FD++ keeps the shared launch shape; flash / standard take the one for the page format."""
+        return self.configs.decode if self.variant == "fdpp" else self.configs.decode_for(kv_dtype)
 
     def _spec(self) -> KVCacheSpec:
         if self.spec is None:

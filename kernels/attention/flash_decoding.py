@@ -133,7 +133,7 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     the standard single pass; None/0 the wave heuristic, which on a GPU reads the compiled kernel's
     occupancy (compiled here, once per specialisation)."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    cfg = config or configs_for(device).decode
+    cfg = config or configs_for(device).decode_for(kv_dtype)
     check_launch_options(cfg.extra, device)
     group = num_heads // num_kv_heads
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n

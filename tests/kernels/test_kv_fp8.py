@@ -10,7 +10,7 @@ from kernels import decode_attention, decode_reference, prefill_attention, prefi
 from kernels.attention import cpu
 from kernels.attention.fdpp import new_stats
 from kernels.attention.kv_quant import dequantize_kv, fp8_max, quantize_kv
-from kernels.vendor import DecodeConfig, PrefillConfig
+from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 from tests.support.paged_cache import shuffled_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,6 +103,26 @@ def test_decode_reads_fp8_pages(variant, case, kv_dtype):
     assert rel_err(ref, oracle) < TOL
     if variant == "fdpp":   # P·V in bf16: FD++'s window is as wide as over bf16 pages
         assert int(options["stats"][0]) == int(ref_options["stats"][0]) == 0
+
+
+# AMD's launch options run on AMD GPUs or in the interpreter, NVIDIA's on NVIDIA GPUs or in the interpreter.
+LAUNCH_VENDORS = ["nvidia", "amd"] if not torch.cuda.is_available() else ["amd" if torch.version.hip else "nvidia"]
+
+
+@pytest.mark.parametrize("vendor", LAUNCH_VENDORS)
+def test_fp8_pages_take_their_launch_shape(vendor):
+    """`decode_for` picks the FP8 shape for 1-byte pages only; the wave heuristic's split count under
+    that shape (no forced num_splits) still equals the oracle at odd lengths across pages."""
+    configs = vendor_configs(vendor)
+    assert configs.decode_for(torch.bfloat16) is configs.decode
+    fp8_config = configs.decode_for(torch.float8_e4m3fn)
+    assert fp8_config is (configs.decode_fp8 or configs.decode)
+    q, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch([301, 47, 16], 8, 2, 64, 16,
+                                                                              torch.float8_e4m3fn, seed=5)
+    out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant="flash", config=fp8_config,
+                           k_scale=k_scale, v_scale=v_scale)
+    oracle = decode_reference(q.float(), exact_k, exact_v, tables, seq_lens, scale=0.125, variant="standard")
+    assert rel_err(out, oracle) < TOL
 
 
 # The vendor config over pages of 16, and TMA loads of 16-key tiles from pages of 32.
