@@ -21,6 +21,8 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -255,48 +257,63 @@ def graph_time(step: Any, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+@dataclass
+class DecodeCase:
+    """One layer's decode inputs at B x L, full-length sequences, with the float32 oracle's output."""
+    q: torch.Tensor
+    pages: dict[str, torch.Tensor]
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    oracle: torch.Tensor
+    kv_bytes: int
+
+    def flash_step(self, cfg: DecodeConfig) -> Callable[[], torch.Tensor]:
+        return functools.partial(flash_decode, self.q, self.pages["k"], self.pages["v"], self.tables, self.seq_lens,
+                                 scale=SCALE, config=cfg, k_scale=self.pages.get("k_scale"),
+                                 v_scale=self.pages.get("v_scale"))
+
+
+def decode_case(batch: int, length: int, kv_dtype: torch.dtype, seed: int) -> DecodeCase:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = make_pages(batch * length, kv_dtype, gen)
+    tables = tables_for(batch, length, gen)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    oracle = oracle_decode(q, dequantize_kv(pages["k"], pages.get("k_scale")),
+                           dequantize_kv(pages["v"], pages.get("v_scale")), tables, length)
+    torch.cuda.empty_cache()
+    return DecodeCase(q, pages, tables, seq_lens, oracle, 2 * batch * length * HKV * D * pages["k"].element_size())
+
+
 def sweep() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for batch, length in ((1, 100_000), (32, 16_384)):
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            gen = torch.Generator(device="cuda").manual_seed(2)
-            pages = make_pages(batch * length, kv_dtype, gen)
-            tables = tables_for(batch, length, gen)
-            seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-            scales = {"k_scale": pages.get("k_scale"), "v_scale": pages.get("v_scale")}
-            exact_k = dequantize_kv(pages["k"], scales["k_scale"])
-            exact_v = dequantize_kv(pages["v"], scales["v_scale"])
-            oracle = oracle_decode(q, exact_k, exact_v, tables, length)
-            del exact_k, exact_v
-            torch.cuda.empty_cache()
-            kv_bytes = 2 * batch * length * HKV * D * pages["k"].element_size()
+            case = decode_case(batch, length, kv_dtype, seed=2)
             for name, fields in SWEEP.items():
                 cfg = DecodeConfig(**fields)
                 row: dict[str, Any] = {"config": name, "kv_dtype": str(kv_dtype), "batch": batch, "len": length}
                 try:
-                    step = functools.partial(flash_decode, q, pages["k"], pages["v"], tables, seq_lens,
-                                             scale=SCALE, config=cfg,
-                                             k_scale=scales["k_scale"], v_scale=scales["v_scale"])
-                    row["rel_err"] = rel_err(step(), oracle)
+                    step = case.flash_step(cfg)
+                    row["rel_err"] = rel_err(step(), case.oracle)
                     row["us"] = graph_time(step)
-                    row["kv_GBps"] = kv_bytes / row["us"] / 1e3
+                    row["kv_GBps"] = case.kv_bytes / row["us"] / 1e3
                 except Exception as exc:   # a launch shape the compiler rejects is a row, not the end of the sweep
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             for name in FDPP_SWEEP:
                 cfg = DecodeConfig(**SWEEP[name])
-                stats = new_stats(q.device)
-                step = functools.partial(decode_attention, q, pages["k"], pages["v"], tables, seq_lens, scale=SCALE,
-                                         variant="fdpp", config=cfg, stats=stats,
-                                         k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+                stats = new_stats(case.q.device)
+                step = functools.partial(decode_attention, case.q, case.pages["k"], case.pages["v"], case.tables,
+                                         case.seq_lens, scale=SCALE, variant="fdpp", config=cfg, stats=stats,
+                                         k_scale=case.pages.get("k_scale"), v_scale=case.pages.get("v_scale"))
                 row = {"config": f"fdpp_{name}", "kv_dtype": str(kv_dtype), "batch": batch, "len": length,
-                       "rel_err": rel_err(step(), oracle), "us": graph_time(step)}
-                row["kv_GBps"] = kv_bytes / row["us"] / 1e3
+                       "rel_err": rel_err(step(), case.oracle), "us": graph_time(step)}
+                row["kv_GBps"] = case.kv_bytes / row["us"] / 1e3
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del pages, oracle
+            del case
             torch.cuda.empty_cache()
     return rows
 
@@ -310,24 +327,14 @@ def spread() -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for batch, length in SPREAD:
-            gen = torch.Generator(device="cuda").manual_seed(3)
-            pages = make_pages(batch * length, kv_dtype, gen)
-            tables = tables_for(batch, length, gen)
-            seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-            scales = {"k_scale": pages.get("k_scale"), "v_scale": pages.get("v_scale")}
-            oracle = oracle_decode(q, dequantize_kv(pages["k"], scales["k_scale"]),
-                                   dequantize_kv(pages["v"], scales["v_scale"]), tables, length)
-            kv_bytes = 2 * batch * length * HKV * D * pages["k"].element_size()
+            case = decode_case(batch, length, kv_dtype, seed=3)
             for name, cfg in shapes.items():
-                step = functools.partial(flash_decode, q, pages["k"], pages["v"], tables, seq_lens,
-                                         scale=SCALE, config=cfg,
-                                         k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+                step = case.flash_step(cfg)
                 row: dict[str, Any] = {"shape": name, "kv_dtype": str(kv_dtype), "batch": batch, "len": length,
-                       "rel_err": rel_err(step(), oracle), "us": graph_time(step)}
-                row["kv_GBps"] = kv_bytes / row["us"] / 1e3
+                                       "rel_err": rel_err(step(), case.oracle), "us": graph_time(step)}
+                row["kv_GBps"] = case.kv_bytes / row["us"] / 1e3
                 rows.append(row)
-            del pages, oracle
+            del case
             torch.cuda.empty_cache()
     return {"copy_GBps": copy_bandwidth() / 1e9, "rows": rows}
 
