@@ -10,7 +10,10 @@ Llama-3.1-8B heads (32 query over 8 KV, D=128), bf16, pages of 16 (and 64 where 
           a 16K chunk after 112K): median ms (do_bench) and TFLOP/s of the causal FLOPs.
 --prompt  one prompt's attention, all of it, as the engine runs it (chunks of --chunk tokens, each
           over the pages of everything before it) against SDPA on the whole prompt (is_causal, GQA),
-          per prompt length; FLOPs = 4·D·Hq·L²/2.
+          per prompt length; FLOPs = 4·D·Hq·L²/2. `ours_cudnn_prefix` is the engine's
+          `prefill_prefix = "auto"`: cuDNN over each chunk's long cached prefix, then the kernel.
+--prefix-sweep  one 2048-token chunk after 1K..64K cached tokens: the kernel alone against cuDNN over
+          the whole prefix + the kernel, and the cuDNN part alone (where `prefix_min_keys` comes from).
 Writes DIR/prefill_kernels.json and prints the tables last.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import prefill_attention  # noqa: E402
+from kernels.attention.prefix import PrefixPlan, plan_prefix, prefix_seed, prefix_spans  # noqa: E402
 from kernels.vendor import PrefillConfig, vendor_configs  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -136,6 +140,33 @@ def best_configs(sweep: list[dict[str, Any]], page: int, top: int = 3) -> list[P
             for k in ranked[:top]]
 
 
+PREFIX_SWEEP = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def prefix_case_ms(prefix: int, chunk: int, page: int, gen: torch.Generator) -> dict[str, Any]:
+    """One chunk after `prefix` cached tokens: the kernel alone, cuDNN over the whole prefix then the kernel,
+    and the cuDNN part (gather + attention) alone; ms, and the two outputs' relative difference."""
+    q, k, v, table, lens, qsl = paged_case(prefix, chunk, page, gen)
+    plan = plan_prefix(prefix_spans([prefix + chunk], [0, chunk], min_keys=1, min_rows=1, align=128), 1, q.device)
+    alone = functools.partial(prefill_attention, q, k, v, table, lens, qsl, scale=D ** -0.5, max_query_len=chunk)
+    cudnn_part = functools.partial(prefix_seed, q, k, v, table, plan, D ** -0.5)
+
+    def seeded() -> torch.Tensor:
+        return alone(seed=cudnn_part())
+    diff = float((seeded().float() - alone().float()).norm() / alone().float().norm())
+    return {"page": page, "prefix": prefix, "chunk": chunk, "kernel_ms": time_ms(alone),
+            "cudnn_prefix_ms": time_ms(seeded), "cudnn_part_ms": time_ms(cudnn_part), "rel_diff": diff}
+
+
+def run_prefix_sweep(gen: torch.Generator, pages: tuple[int, ...], chunk: int = 2048) -> list[dict[str, Any]]:
+    rows = []
+    for page in pages:
+        for prefix in PREFIX_SWEEP:
+            rows.append(prefix_case_ms(prefix, chunk, page, gen))
+            torch.cuda.empty_cache()
+    return rows
+
+
 def prompt_attention_ms(length: int, chunk: int, page: int, attend, gen) -> float:
     """One layer's attention over a whole prompt in engine-sized chunks, timed with events."""
     q, k, v, table, seq_lens, _ = paged_case(length - min(chunk, length), min(chunk, length), page, gen)
@@ -151,6 +182,24 @@ def prompt_attention_ms(length: int, chunk: int, page: int, attend, gen) -> floa
             attend(qc, k, v, table, lens, qsl, scale=D ** -0.5, max_query_len=n)
     run()
     return time_ms(run, rep_ms=max(200, int(length / K) * 8))
+
+
+# The engine plans a step's prefix spans once from host lengths; here each timed call's plan is made on its
+# first run and kept with its tensors (which the timing loop reuses, so ids stay unique), so no call syncs.
+_PREFIX_PLANS: dict[int, tuple[torch.Tensor, PrefixPlan | None]] = {}
+
+
+def prefill_with_cudnn_prefix(q, k, v, table, lens, qsl, *, scale: float, max_query_len: int):
+    """The engine's GPU prefill under `[backend] prefill_prefix = "auto"`: cuDNN over the cached prefix,
+    then the paged kernel from that softmax state."""
+    if id(lens) not in _PREFIX_PLANS:
+        cfg = vendor_configs("nvidia").prefill_for(q.shape[-1])
+        spans = prefix_spans(lens.tolist(), qsl.tolist(), min_keys=cfg.prefix_min_keys,
+                             min_rows=cfg.prefix_min_rows, align=cfg.prefix_key_bucket)
+        _PREFIX_PLANS[id(lens)] = (lens, plan_prefix(spans, lens.shape[0], q.device) if spans else None)
+    plan = _PREFIX_PLANS[id(lens)][1]
+    seed = None if plan is None else prefix_seed(q, k, v, table, plan, scale)
+    return prefill_attention(q, k, v, table, lens, qsl, scale=scale, max_query_len=max_query_len, seed=seed)
 
 
 def sdpa_ms(length: int, gen: torch.Generator, backend=None) -> float:
@@ -195,6 +244,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--prompt", action="store_true")
+    parser.add_argument("--prefix-sweep", action="store_true")
     parser.add_argument("--pages", default="16,64", help="page sizes of the sweep, comma-separated")
     parser.add_argument("--lengths", default="4096,16384,32768,65536,131072")
     parser.add_argument("--chunks", default="2048,8192")
@@ -214,12 +264,16 @@ def main() -> int:
         result["checks"] = run_checks(gen)
     if args.sweep:
         result["sweep"] = run_sweep(gen, tuple(int(p) for p in args.pages.split(",")))
+    if args.prefix_sweep:
+        result["prefix_sweep"] = run_prefix_sweep(gen, tuple(int(p) for p in args.prompt_pages.split(",")))
     (args.out / "prefill_kernels.json").write_text(json.dumps(result, indent=1))
     if args.prompt:
         configs: dict[str, PrefillConfig | None] = {"ours": None}
         if args.sweep:
             configs.update({f"top{i}": c for i, c in enumerate(best_configs(result["sweep"], 16))})
-        kernels = {name: functools.partial(prefill_attention, config=cfg) for name, cfg in configs.items()}
+        kernels: dict[str, Any] = {name: functools.partial(prefill_attention, config=cfg)
+                                   for name, cfg in configs.items()}
+        kernels["ours_cudnn_prefix"] = prefill_with_cudnn_prefix
         if args.baseline:
             kernels["before"] = importlib.import_module(args.baseline).prefill_attention
         result["prompt"] = [{"page": page, **row} for page in (int(p) for p in args.prompt_pages.split(","))
@@ -249,6 +303,10 @@ def print_tables(result: dict[str, Any]) -> None:
         cells = [f"{r['tflops']:.0f}" for r in result["sweep"] if r["page"] == 16 and
                  all(r[k] == vendor[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "pack"))]
         print(f"vendor config: TFLOP/s {' / '.join(cells)}  (cases {SWEEP_CASES})")
+    for r in result.get("prefix_sweep", []):
+        print(f"page {r['page']} chunk {r['chunk']} after {r['prefix']}: kernel {r['kernel_ms']:.3f} ms, "
+              f"cuDNN prefix + kernel {r['cudnn_prefix_ms']:.3f} (cuDNN part {r['cudnn_part_ms']:.3f}), "
+              f"rel diff {r['rel_diff']:.1e}")
     for r in result.get("prompt", []):
         times = " ".join(f"{k[:-3]}={r[k]:.1f}" for k in r if k.endswith("_ms") and r[k])
         print(f"page {r['page']} L={r['length']} ({r['tflop']:.1f} TFLOP/layer) ms: {times}")

@@ -100,6 +100,7 @@ class FlashDecodingConfig(_Section):
 
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
 CpuAttention = Literal["fused", "reference"]
+PrefillPrefix = Literal["auto", "kernel"]
 KvCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
 
 
@@ -123,6 +124,10 @@ class BackendConfig(_Section):
                            "int4 = bf16 plus int4 layers and the int8 LM head for decode")
     cpu_attention: CpuAttention = Field(
         "fused", description="CPU attention: fused = torch SDPA / one-pass decode; reference = the paged oracle")
+    prefill_prefix: PrefillPrefix = Field(
+        "auto", description="GPU prefill over a long cached prefix: auto = cuDNN's attention over the prefix, then "
+                            "the paged kernel (NVIDIA compute 9.0+, bf16/fp16 pages, head_dim 64/128); "
+                            "kernel = the paged kernel for every key")
     kv_cache_dtype: KvCacheDtype = Field(
         "auto", description="KV pages: auto = the model dtype; fp8_e4m3 / fp8_e5m2 = one byte per value, scaled "
                             "per (layer, KV head) (the fnuz variants on AMD)")

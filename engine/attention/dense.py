@@ -10,7 +10,9 @@ algorithm:
       fixed_max_value = <num>  φ forced to that number (scaled-score units) for every layer
       fixed_max_value = false  φ estimated per step from the sink + local-window tokens
 
-On a GPU every choice runs our Triton kernels. On the CPU `[backend] cpu_attention` picks:
+On a GPU every choice runs our Triton kernels; a prefill chunk over a long cached prefix attends that
+prefix through cuDNN first where `[backend] prefill_prefix = "auto"` allows (`kernels.attention.prefix`).
+On the CPU `[backend] cpu_attention` picks:
 "fused" (default) runs prefill through torch SDPA and "standard" / "flash" decode as one exact
 pass (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the
 result is the same softmax); "fdpp" keeps its unified-max reference, whose arithmetic differs.
@@ -42,12 +44,21 @@ from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.kv_scales import KVScales, kv_scales
 from engine.attention.metadata import AttentionPlan, StepShape
 from engine.attention.phi_file import load_phi
-from engine.config import CpuAttention, FlashDecodingConfig
+from engine.config import CpuAttention, FlashDecodingConfig, PrefillPrefix
 from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, store_kv
 from kernels.attention import cpu, reference
 from kernels.attention.decode_host import check_shapes
 from kernels.attention.kv_quant import is_fp8
-from kernels.vendor import DecodeConfig, vendor_configs
+from kernels.attention.prefix import (
+    PrefixPlan,
+    PrefixSeed,
+    cudnn_prefix_available,
+    plan_prefix,
+    prefix_seed,
+    prefix_spans,
+    warm_up_cudnn,
+)
+from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 
 if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
@@ -123,7 +134,8 @@ class DenseBackend(AttentionBackend):
     with RoPE on a GPU). Triton kernels on a GPU (`vendor`'s launch configs), torch on the CPU."""
 
     def __init__(self, fd: FlashDecodingConfig, device: torch.device, vendor: str, *,
-                 calibration_path: str | None = None, cpu_attention: CpuAttention = "fused") -> None:
+                 calibration_path: str | None = None, cpu_attention: CpuAttention = "fused",
+                 prefill_prefix: PrefillPrefix = "auto") -> None:
         self.variant = decode_variant(fd)
         self.device = device
         on_gpu = device.type == "cuda"
@@ -141,6 +153,9 @@ class DenseBackend(AttentionBackend):
         self.scale_file = calibration_path or fd.calibration_file
         self.kv_scales: KVScales | None = None   # FP8 pages' scales (`allocate`)
         self.layer_scales: list[LayerScales] = []
+        self.prefill_prefix = prefill_prefix
+        self.cudnn_prefix = False                # cached prefixes through cuDNN before the prefill kernel (`allocate`)
+        self._prefix: tuple[AttentionMetadata | None, PrefixPlan | None] = (None, None)   # the step's, from layer 0
         phi_text = ""
         if self.variant == "fdpp":
             self.phi_for, phi_text = phi_source(fd, calibration_path)
@@ -174,6 +189,12 @@ class DenseBackend(AttentionBackend):
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
         self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
+        min_keys = self.configs.prefill_for(spec.head_dim).prefix_min_keys
+        wanted = self.triton and self.prefill_prefix == "auto" and min_keys > 0 and not self.cudnn_prefix
+        if wanted and cudnn_prefix_available(spec.dtype, spec.kv_dtype, spec.head_dim, v_cache.device):
+            self.cudnn_prefix = True   # allocate may run again (a new cache): the name says it once
+            warm_up_cudnn(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, v_cache.device)
+            self.name += f"; cached prefixes of >= {min_keys} keys attended by cuDNN first"
         if is_fp8(spec.kv_dtype) and self.kv_scales is None:
             self.kv_scales = kv_scales(spec.kv_dtype, spec.num_layers, spec.num_kv_heads, v_cache.device,
                                        self.scale_file)
@@ -266,16 +287,32 @@ class DenseBackend(AttentionBackend):
     def prefill(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, scale: float) -> torch.Tensor:
         if self.triton:
+            config = self.configs.prefill_for(q.shape[-1])
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                      metadata.query_start_loc, scale=scale,
-                                     max_query_len=metadata.max_query_len,
-                                     config=self.configs.prefill_for(q.shape[-1]),
+                                     max_query_len=metadata.max_query_len, config=config,
+                                     seed=self._prefix_seed(q, k_cache, v_cache, metadata, scale, config),
                                      **self._scales(layer_idx))
         if self.cpu_fused:
             return cpu.prefill_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                              metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
+
+
+    def _prefix_seed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     metadata: AttentionMetadata, scale: float, config: PrefillConfig) -> PrefixSeed | None:
+        """cuDNN over the long cached prefixes of this step's chunks (which ones: once per step)."""
+        if not (self.cudnn_prefix and metadata.seq_lens_host):
+            return None
+        step, plan = self._prefix
+        if step is not metadata:
+            spans = prefix_spans(list(metadata.seq_lens_host), list(metadata.query_start_loc_host),
+                                 min_keys=config.prefix_min_keys, min_rows=config.prefix_min_rows,
+                                 align=config.prefix_key_bucket)
+            plan = plan_prefix(spans, metadata.num_seqs, q.device) if spans else None
+            self._prefix = (metadata, plan)
+        return None if plan is None else prefix_seed(q, k_cache, v_cache, metadata.block_tables, plan, scale)
 
 
 def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -37,6 +37,7 @@ class AttentionMetadata:
     block_tables[B, M]  the pages of each sequence, padded with 0
     plan                the backend's host-side decisions for this step (`AttentionBackend.plan` of `step_shape`)
     counters            what the backend counted this step (summed by the engine, exported by /metrics)
+    seq_lens_host, query_start_loc_host: host copies of the two, where the runner has them (empty otherwise)
     """
 
     positions: torch.Tensor
@@ -48,6 +49,8 @@ class AttentionMetadata:
     is_decode_only: bool
     counters: AttentionCounters = field(default_factory=dict)
     plan: AttentionPlan = field(default_factory=AttentionPlan)
+    seq_lens_host: tuple[int, ...] = ()
+    query_start_loc_host: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

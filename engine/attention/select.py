@@ -14,7 +14,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.dense import DenseBackend
 from engine.attention.ffd import NEVER, FFDBackend, check_ffd_device, crossover_for
-from engine.config import BackendConfig, CpuAttention, FlashDecodingConfig, KvCacheDtype
+from engine.config import BackendConfig, CpuAttention, FlashDecodingConfig, KvCacheDtype, PrefillPrefix
 from kernels.vendor import check_vendor
 
 logger = logging.getLogger(__name__)
@@ -27,11 +27,13 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
                            max_num_batched_tokens: int = _LIMITS.max_num_batched_tokens,
                            calibration_path: str | None = None, crossover: int | None = None,
                            cpu_attention: CpuAttention = _LIMITS.cpu_attention,
-                           kv_cache_dtype: KvCacheDtype = _LIMITS.kv_cache_dtype) -> AttentionBackend:
+                           kv_cache_dtype: KvCacheDtype = _LIMITS.kv_cache_dtype,
+                           prefill_prefix: PrefillPrefix = _LIMITS.prefill_prefix) -> AttentionBackend:
     """Build the backend for `fd` on `device` with `[backend] gpu_vendor`; `max_num_seqs` and
     `max_num_batched_tokens` size FFD's pool of exact K pages; `crossover` overrides the stored
     FFD crossover (tests); `cpu_attention` picks the CPU's dense attention (`DenseBackend`);
-    `kv_cache_dtype` other than "auto" (FP8 pages) is read by the dense kernels only.
+    `kv_cache_dtype` other than "auto" (FP8 pages) is read by the dense kernels only; `prefill_prefix`
+    says whether the dense prefill attends long cached prefixes through cuDNN first.
 
     Raises ValueError for a vendor the hardware contradicts, a vendor that contradicts the
     device, a kernel this GPU cannot run (FFD on AMD), an "auto" crossover measured nowhere, or
@@ -41,7 +43,8 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
     if (device.type == "cuda") != (vendor in ("nvidia", "amd")):
         raise ValueError(f"gpu_vendor {vendor!r} does not match the device {device}")
     if not (fd.enable and fd.kernel in ("ffd", "auto")):
-        return DenseBackend(fd, device, vendor, calibration_path=calibration_path, cpu_attention=cpu_attention)
+        return DenseBackend(fd, device, vendor, calibration_path=calibration_path, cpu_attention=cpu_attention,
+                            prefill_prefix=prefill_prefix)
     check_ffd_device(device, vendor, fd.kernel)
     if kv_cache_dtype != "auto":
         raise ValueError(f"[backend] kv_cache_dtype = {kv_cache_dtype!r} is read by the dense kernels only; "
@@ -54,9 +57,9 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
         if min_len >= NEVER:   # measured: FFD never wins here, so "auto" is plain Flash-Decoding
             logger.info("[flashdecoding] kernel = \"auto\": FFD was never faster than Flash-Decoding on this GPU "
                         "when measured (kernels/ffd/crossover.json); running kernel = \"flash\"")
-            return DenseBackend(flash, device, vendor, cpu_attention=cpu_attention)
+            return DenseBackend(flash, device, vendor, cpu_attention=cpu_attention, prefill_prefix=prefill_prefix)
         dense = DenseBackend(flash.model_copy(update={"async_softmax": False}), device, vendor,
-                             cpu_attention=cpu_attention)
+                             cpu_attention=cpu_attention, prefill_prefix=prefill_prefix)
     backend = FFDBackend(fd, device, min_ffd_len=min_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, dense=dense)
     logger.info("attention: %s", backend.name)

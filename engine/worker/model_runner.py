@@ -174,6 +174,8 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             max_query_len=max(query_lens),
             is_decode_only=all(n == 1 for n in query_lens),
+            seq_lens_host=tuple(seq_lens),
+            query_start_loc_host=tuple(query_start_loc),
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), metadata,
                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled, prompt_rows)

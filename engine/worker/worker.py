@@ -70,7 +70,8 @@ class Worker:
         return make_attention_backend(self.config.flashdecoding, self.device, self.vendor,
                                       max_num_seqs=limits.max_num_seqs,
                                       max_num_batched_tokens=limits.max_num_batched_tokens,
-                                      cpu_attention=limits.cpu_attention, kv_cache_dtype=limits.kv_cache_dtype)
+                                      cpu_attention=limits.cpu_attention, kv_cache_dtype=limits.kv_cache_dtype,
+                                      prefill_prefix=limits.prefill_prefix)
 
     def _capture_graphs(self) -> str:
         backend = self.config.backend

@@ -20,8 +20,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.attention.kv_quant import check_scales, is_fp8
+from kernels.attention.prefix import PrefixSeed
 from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile
 from kernels.vendor import PrefillConfig, check_launch_options, configs_for, interpreting
+
+SEED_LOG2E = tl.constexpr(LOG2E)   # a seed's natural-log lse into the kernel's log2 units
 
 
 @triton.jit
@@ -64,12 +67,12 @@ def _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, pos
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE,
+def _prefill_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE, SEED_OUT, SEED_LSE, KEY_START,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                    stride_ot, stride_oh, scale_log2,
+                    stride_ot, stride_oh, stride_lh, scale_log2,
                     GROUP: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr, TMA: tl.constexpr):
+                    UPCAST: tl.constexpr, HAS_SCALE: tl.constexpr, TMA: tl.constexpr, HAS_SEED: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // PACK
     head0 = tl.program_id(0) * PACK
     tile = tl.num_programs(1) - 1 - tl.program_id(1)      # heaviest tiles first
@@ -100,10 +103,20 @@ def _prefill_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE
         tile_first = first_pos + tile * TOKENS
         hi = tl.minimum(L, tile_first + TOKENS)             # the tile's last row sees up to here
         lo = (tile_first // BLOCK_N) * BLOCK_N              # every row sees all keys before lo
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        m, denom, acc = _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, 0, lo, hk, pos_m,
+        if HAS_SEED:   # keys [0, key_start) were attended outside: resume from their softmax state
+            key_start = tl.load(KEY_START + b)
+            lse = tl.load(SEED_LSE + heads * stride_lh + q_start + offs_m, mask=m_ok, other=float("-inf"))
+            seeded = lse > float("-inf")
+            m = tl.where(seeded, lse * SEED_LOG2E, float("-inf"))
+            denom = tl.where(seeded, 1.0, 0.0)
+            acc = tl.load(SEED_OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                          mask=(m_ok & seeded)[:, None], other=0.0).to(tl.float32)
+        else:
+            key_start = 0
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+        m, denom, acc = _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, key_start, lo, hk, pos_m,
                                      score_scale, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, D,
                                      NUM_STAGES, UPCAST, CAUSAL_MASK=False, TMA=TMA)
         m, denom, acc = _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, pos_m,
@@ -148,12 +161,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, *, scale: float, max_query_len: int | None = None,
                       config: PrefillConfig | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, seed: PrefixSeed | None = None) -> torch.Tensor:
     """q[T, Hq, D] (sequences back to back, `query_start_loc[B+1]`) -> out[T, Hq, D].
 
     Same contract as `kernels.attention.reference.prefill_attention_ref`. `max_query_len` sizes the grid;
     when omitted it is read from `query_start_loc` (one device sync). FP8 pages come with their
     per-head float32 `k_scale` / `v_scale` [Hkv]. `config` defaults to the vendor's for this head_dim.
+    `seed` (`kernels.attention.prefix`): each sequence's keys before its `key_start` already attended,
+    the kernel folds in the rest; key starts on the config's KV tiles, pages of the model dtype.
     """
     check_scales(k_cache, k_scale, "prefill attention")
     check_scales(v_cache, v_scale, "prefill attention")
@@ -175,14 +190,32 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     pack = heads_per_tile(group, cfg.pack, block_m)
     tokens = block_m // pack
     grid = (num_heads // pack, triton.cdiv(max_query_len, tokens), batch)
+    if seed is not None:
+        check_seed(seed, q, k_cache, batch, cfg.block_n)
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, cfg.tma)
     k_desc, v_desc = descriptors or (k_cache, v_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_desc, v_desc, block_tables, seq_lens, query_start_loc, out,
         seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
+        out if seed is None else seed.out, seq_lens if seed is None else seed.lse,
+        seq_lens if seed is None else seed.key_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1), 0 if seed is None else seed.lse.stride(0), scale * LOG2E,
         GROUP=group, PACK=pack, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, UPCAST=interpreting(), HAS_SCALE=is_fp8(k_cache.dtype),
-        TMA=descriptors is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
+        TMA=descriptors is not None, HAS_SEED=seed is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.extra)
     return out
+
+
+def check_seed(seed: PrefixSeed, q: torch.Tensor, k_cache: torch.Tensor, batch: int, block_n: int) -> None:
+    """What the kernel assumes of a seed: rows and heads of `q`, one key start per sequence on a KV tile
+    boundary, and pages of real values (an FP8 seed would need its V scale undone)."""
+    if is_fp8(k_cache.dtype):
+        raise ValueError("prefill attention: a prefix seed over FP8 pages is not supported")
+    if seed.out.shape != q.shape or seed.out.stride() != q.stride() or seed.lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"prefill attention: seed out {tuple(seed.out.shape)} / lse {tuple(seed.lse.shape)} "
+                         f"do not match q {tuple(q.shape)}")
+    if len(seed.key_start_host) != batch or any(start % block_n for start in seed.key_start_host):
+        raise ValueError(f"prefill attention: seed key starts {seed.key_start_host} need one per sequence "
+                         f"({batch}), each a multiple of the KV tile ({block_n})")

@@ -115,6 +115,36 @@ def test_engine_end_to_end_on_gpu(model_dir, variant):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_cudnn_prefix_prefill_matches_the_kernel_alone(model_dir, monkeypatch):
+    """bf16, prompts chunked at 1024 tokens: later chunks attend their prefix through cuDNN (where this GPU
+    has it; the threshold lowered to 1024 keys for this model's 8K positions) and continue in the paged
+    kernel; the greedy tokens are those of the kernel alone."""
+    import dataclasses
+
+    from engine import LLM, SamplingParams
+    from kernels import vendor
+
+    nvidia = vendor._CONFIGS["nvidia"]
+    monkeypatch.setitem(vendor._CONFIGS, "nvidia", dataclasses.replace(
+        nvidia, prefill=dataclasses.replace(nvidia.prefill, prefix_min_keys=1024)))
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (2100, 4099, 3000)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    runs = {}
+    for choice in ("auto", "kernel"):
+        llm = LLM(model=model_dir, dtype="bfloat16", block_size=16, max_num_batched_tokens=1024,
+                  num_kv_blocks=2048, enable_prefix_caching=False, prefill_prefix=choice)
+        runs[choice] = (llm.generate(prompts, params), llm.engine.backend.name)
+        del llm
+    from kernels.attention.prefix import cudnn_prefix_available
+    if cudnn_prefix_available(torch.bfloat16, torch.bfloat16, 64, torch.device("cuda")):
+        assert "cuDNN" in runs["auto"][1] and "1024 keys" in runs["auto"][1]
+    assert "cuDNN" not in runs["kernel"][1]
+    for a, b in zip(runs["auto"][0], runs["kernel"][0], strict=True):
+        assert_equal_or_near_tie(a, b)
+
+
 def test_sampling_features_on_gpu(model_dir):
     """Every sampler feature runs with GPU logits; seeded requests repeat; greedy is argmax."""
     from engine import LLM, SamplingParams

@@ -80,7 +80,8 @@ class PagedModelDriver:
             positions=tensor(positions, torch.long), slot_mapping=tensor(slots, torch.long),
             query_start_loc=tensor(starts), seq_lens=tensor([self.num_cached[s] for s in batch]),
             block_tables=tensor(tables), max_query_len=max(query_lens),
-            is_decode_only=all(n == 1 for n in query_lens))
+            is_decode_only=all(n == 1 for n in query_lens),
+            seq_lens_host=tuple(self.num_cached[s] for s in batch), query_start_loc_host=tuple(starts))
         metadata.plan = self.backend.plan(metadata.step_shape)
         input_ids = tensor([t for tokens in batch.values() for t in tokens], torch.long)
         return metadata, input_ids

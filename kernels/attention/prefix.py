@@ -1,0 +1,148 @@
+"""A prefill chunk's attention over its sequence's cached prefix, ahead of the paged prefill kernel.
+
+Every row of a chunk sees all keys before the chunk's first token: a dense rectangle of rows x
+prefix keys, with no mask. On Hopper cuDNN's fused attention runs that rectangle faster than a
+Triton kernel reaches (about 610-640 TFLOP/s against 450, bench/RESULTS.md), so for long prefixes
+the rectangle is gathered from the pages into one contiguous K/V per sequence, attended by cuDNN
+with its log-sum-exp, and handed to `prefill_attention` as a `PrefixSeed`: each row's softmax state
+over keys [0, key_start), from which the kernel folds in the rest (the chunk's own causal part).
+The two parts merge exactly: a state (max = lse, denominator = 1, accumulator = normalised out) is
+what the online softmax would hold after those keys.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# (q [C, Hq, D], k [P, Hkv, D], v [P, Hkv, D], scale) -> (out [C, Hq, D] in q's dtype, lse [Hq, C] float32)
+PrefixAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PrefixSpan:
+    """Rows [q_start, q_end) of sequence `seq` attend keys [0, key_start) outside the prefill kernel."""
+
+    seq: int
+    q_start: int
+    q_end: int
+    key_start: int
+
+
+@dataclass(frozen=True)
+class PrefixSeed:
+    """Each row's softmax over its sequence's keys [0, key_start[b]): `out` [T, Hq, D] normalised,
+    `lse` [Hq, T] float32 natural log (-inf for rows of sequences with no span), `key_start` [B] int32
+    on the device beside its host copy."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    key_start: torch.Tensor
+    key_start_host: tuple[int, ...]
+
+
+def prefix_spans(seq_lens: list[int], query_start_loc: list[int], *, min_keys: int, min_rows: int,
+                 align: int) -> list[PrefixSpan]:
+    """The sequences whose cached prefix is worth attending outside the kernel: at least `min_rows` new
+    tokens over at least `min_keys` keys before them, cut to a multiple of `align` (the kernel's KV tile,
+    so it resumes on a tile boundary)."""
+    spans = []
+    for b, length in enumerate(seq_lens):
+        q_start, q_end = query_start_loc[b], query_start_loc[b + 1]
+        keys = (length - (q_end - q_start)) // align * align
+        if q_end - q_start >= min_rows and keys >= min_keys:
+            spans.append(PrefixSpan(b, q_start, q_end, keys))
+    return spans
+
+
+def gather_prefix(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's pages as one contiguous [length, Hkv, D] copy."""
+    page = cache.shape[1]
+    pages = block_table[:(length + page - 1) // page].long()
+    return cache.index_select(0, pages).view(-1, *cache.shape[2:])[:length]
+
+
+# torch builds (tens of ms) and keeps one cuDNN graph per shape, so rows are padded to a multiple of this and
+# spans end on multiples of `PrefillConfig.prefix_key_bucket`: a bounded set of shapes, each built once.
+CUDNN_ROW_BUCKET = 512
+
+
+def prefix_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention of q [C, Hq, D] over k, v [P, Hkv, D] (no mask; grouped heads as they are)
+    -> (out [C, Hq, D], lse [Hq, C] float32)."""
+    rows = q.shape[0]
+    padded = -(-rows // CUDNN_ROW_BUCKET) * CUDNN_ROW_BUCKET
+    if padded != rows:
+        q = torch.cat((q, q.new_zeros(padded - rows, *q.shape[1:])))
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, False, False,
+        scale=scale)[:2]
+    return out[0].transpose(0, 1)[:rows], lse.view(q.shape[1], padded)[:, :rows]
+
+
+def prefix_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_attention_cudnn` in float32 torch (the oracle, and the path the interpreter tests take)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vf)
+    return out.to(q.dtype), lse
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """A step's spans and the per-sequence key starts the kernel reads, on the device (made once per step,
+    so no layer copies host data to the GPU)."""
+
+    spans: tuple[PrefixSpan, ...]
+    key_start: torch.Tensor
+    key_start_host: tuple[int, ...]
+
+
+def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device) -> PrefixPlan:
+    key_start = [0] * num_seqs
+    for span in spans:
+        key_start[span.seq] = span.key_start
+    return PrefixPlan(tuple(spans), torch.tensor(key_start, dtype=torch.int32, device=device), tuple(key_start))
+
+
+def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                plan: PrefixPlan, scale: float, attend: PrefixAttend = prefix_attention_cudnn) -> PrefixSeed:
+    """Attend each span's rows over its gathered prefix with `attend`; the seed for `prefill_attention`.
+    Rows outside every span keep lse = -inf (the kernel reads no `out` for them)."""
+    num_tokens, num_heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
+    for span in plan.spans:
+        k = gather_prefix(k_cache, block_tables[span.seq], span.key_start)
+        v = gather_prefix(v_cache, block_tables[span.seq], span.key_start)
+        rows_out, rows_lse = attend(q[span.q_start:span.q_end], k, v, scale)
+        out[span.q_start:span.q_end] = rows_out
+        lse[:, span.q_start:span.q_end] = rows_lse
+    return PrefixSeed(out, lse, plan.key_start, plan.key_start_host)
+
+
+# Head sizes the GPU tests run cuDNN's attention at (tests/kernels/test_prefill_prefix.py).
+CUDNN_HEAD_DIMS = (64, 128)
+
+
+def cudnn_prefix_available(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether `prefix_attention_cudnn` runs here: an NVIDIA GPU of compute capability 9.0+ with cuDNN's
+    attention enabled in torch, half-precision pages of the model dtype, a tested head size."""
+    if device.type != "cuda" or torch.version.hip or not torch.backends.cudnn.is_available():
+        return False
+    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(device)[0] >= 9
+            and dtype in (torch.bfloat16, torch.float16) and kv_dtype == dtype and head_dim in CUDNN_HEAD_DIMS)
+
+
+def warm_up_cudnn(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One small call at startup, so that loading cuDNN's attention engines (the first call of a process took
+    about 1.6 s more than the next on the H200) is not paid by the first long prompt."""
+    q = torch.zeros(CUDNN_ROW_BUCKET, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(CUDNN_ROW_BUCKET, num_kv_heads, head_dim, dtype=dtype, device=device)
+    prefix_attention_cudnn(q, kv, kv, 1.0)
