@@ -143,6 +143,7 @@ class DenseBackend(AttentionBackend):
         self.cpu_fused = not on_gpu and cpu_attention == "fused"
         self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
         self.decode_layout: cpu.DecodeLayout | None = None   # this step's, from layer 0
+        self._step_slots: tuple[torch.Tensor | None, bool] = (None, False)   # (slot_mapping, any -1 in it)
         self.fuse_rope_store = on_gpu
         self.configs = vendor_configs(vendor)
         self.num_splits = fd.num_splits
@@ -233,7 +234,9 @@ class DenseBackend(AttentionBackend):
         if self.triton:
             store_kv(key, value, k_cache, v_cache, slot_mapping, **scales)
         elif self.cpu_fused:
-            cpu.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, **scales)
+            if self._step_slots[0] is not slot_mapping:   # the step's slots, checked at its first layer
+                self._step_slots = (slot_mapping, cpu.slot_has_padding(slot_mapping))
+            cpu.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, **scales, has_padding=self._step_slots[1])
         else:
             reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping, **scales)
 

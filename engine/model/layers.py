@@ -211,6 +211,15 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+def side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """[T, A] and [T, B] that sit next to each other in every row of one tensor (slices of a fused
+    projection's output) as one [T, A + B] view of it; None when they do not."""
+    if (a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.shape[0] != b.shape[0] or a.stride() != b.stride()
+            or a.stride(1) != 1 or b.data_ptr() != a.data_ptr() + a.shape[1] * a.element_size()):
+        return None
+    return a.as_strided((a.shape[0], a.shape[1] + b.shape[1]), a.stride())
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, GPT-NeoX layout (rotate halves), as in HF Llama/Qwen.
 
@@ -267,6 +276,10 @@ class RotaryEmbedding(nn.Module):
             return fused.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
                                           self.head_dim, self.rotary_dim)
         cos, sin = self._step_tables(positions)
+        both = side_by_side(q, k)
+        if both is not None:   # one rotation for both: a decode step runs this in every layer
+            rotated = self._rotate(both, cos, sin)
+            return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

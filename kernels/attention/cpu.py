@@ -33,17 +33,25 @@ def _heads_first(kv: torch.Tensor, group: int) -> torch.Tensor:
 
 def store_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> None:
+                 v_scale: torch.Tensor | None = None, has_padding: bool | None = None) -> None:
     """`reference.store_kv_ref` without its padding mask when no slot is padding (-1), as on the
-    CPU's eager steps: two index copies instead of a mask, its nonzero and two masked gathers."""
+    CPU's eager steps: two index copies instead of a mask, its nonzero and two masked gathers.
+    `has_padding` (whether any slot is -1) when the caller knows it, else it is looked up."""
     if slot_mapping.numel() == 0:
         return
-    if int(slot_mapping.min()) < 0:
+    if has_padding is None:
+        has_padding = slot_has_padding(slot_mapping)
+    if has_padding:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
     slots = slot_mapping.long()
     store_rows(k_cache, slots, key, k_scale)
     store_rows(v_cache, slots, value, v_scale)
+
+
+def slot_has_padding(slot_mapping: torch.Tensor) -> bool:
+    """Whether any of a step's slots is padding (-1): asked once per step, every layer stores to the same slots."""
+    return slot_mapping.numel() > 0 and int(slot_mapping.min()) < 0
 
 
 def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -91,9 +91,9 @@ def dequantize_int4(weight: Int4Weight, codes: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """x [M, K] -> x · dequant(W)ᵀ [M, N] in x's dtype (the kernel runs on bf16 activations)."""
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
-                                                     weight.scales_and_zeros)
-    return out.to(x.dtype)
+    bf16 = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)   # a decode step makes 120 of these calls
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(bf16, weight.packed, weight.group_size, weight.scales_and_zeros)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def int4_linear_ref(x: torch.Tensor, weight: Int4Weight, codes: torch.Tensor) -> torch.Tensor:

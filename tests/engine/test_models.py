@@ -140,6 +140,23 @@ def test_rope_parameters_from_legacy_and_new_configs() -> None:
         layers.RotaryEmbedding(8, 8, 16, 1e4, {"rope_type": "longrope", "factor": 2.0})
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_q_and_k_of_one_projection_together_as_apart(rotary_dim, dtype) -> None:
+    """q and k sliced from one fused qkv output are rotated in one pass; the result is bit for bit
+    that of rotating each alone, and a k that is not beside q is rotated alone."""
+    rope = layers.RotaryEmbedding(64, rotary_dim, 4096, 1e4)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=torch.Generator().manual_seed(rotary_dim)).to(dtype)
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    positions = torch.tensor([0, 3, 100, 4000, 7])
+    assert layers.side_by_side(q, k) is not None and layers.side_by_side(q, v) is None
+    cos, sin = rope._step_tables(positions)
+    for q_in, k_in in ((q, k), (q, v), (q.clone(), k.clone())):
+        rq, rk = rope(positions, q_in, k_in)
+        assert torch.equal(rq, rope._rotate(q_in, cos, sin)) and torch.equal(rk, rope._rotate(k_in, cos, sin))
+        assert rq.view(5, 9, 64).shape == (5, 9, 64) and rk.view(5, 3, 64).shape == (5, 3, 64)
+
+
 # --- tensor parallelism: every rank's shard math, simulated in one process -------------------
 
 def _build_on_ranks(monkeypatch, tp_size: int, make):

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from kernels.attention import cpu
-from kernels.attention.cpu import PageRun, decode_attention_cpu, page_runs, prefill_attention_cpu, store_kv_cpu
+from kernels.attention.cpu import (
+    PageRun,
+    decode_attention_cpu,
+    page_runs,
+    prefill_attention_cpu,
+    slot_has_padding,
+    store_kv_cpu,
+)
 from kernels.attention.reference import decode_attention_ref, prefill_attention_ref, store_kv_ref
 
 
@@ -230,8 +237,12 @@ def test_store_writes_what_the_reference_writes(slots, dtype):
     expected = [c.clone() for c in caches]
     key, value = (torch.randn(len(slots), 2, 8, generator=gen) for _ in range(2))
     slot_mapping = torch.tensor(slots, dtype=torch.int32)
+    told = [c.clone() for c in caches]   # the same store with the step's padding answer given, as the backend does
     store_kv_cpu(key, value, *caches, slot_mapping)
+    store_kv_cpu(key, value, *told, slot_mapping, has_padding=slot_has_padding(slot_mapping))
     store_kv_ref(key, value, *expected, slot_mapping)
     assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(told, expected, strict=True))
+    assert slot_has_padding(slot_mapping) == (-1 in slots)
     if slots and slots[0] >= 0:
         assert torch.equal(caches[0].view(-1, 2, 8)[slots[0]], key[0].to(dtype))
