@@ -302,7 +302,6 @@ class DenseBackend(AttentionBackend):
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
 
-
     def _prefix_seed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      metadata: AttentionMetadata, scale: float, config: PrefillConfig) -> PrefixSeed | None:
         """cuDNN over the long cached prefixes of this step's chunks (which ones: once per step)."""

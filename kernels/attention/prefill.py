@@ -198,7 +198,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, k_desc, v_desc, block_tables, seq_lens, query_start_loc, out,
         seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,
         out if seed is None else seed.out, seq_lens if seed is None else seed.lse,
-        seq_lens if seed is None else seed.key_start,
+        seq_lens if seed is None else seed.plan.key_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), 0 if seed is None else seed.lse.stride(0), scale * LOG2E,
         GROUP=group, PACK=pack, D=head_dim, PAGE=k_cache.shape[1], BLOCK_M=block_m,
@@ -216,6 +216,7 @@ def check_seed(seed: PrefixSeed, q: torch.Tensor, k_cache: torch.Tensor, batch: 
     if seed.out.shape != q.shape or seed.out.stride() != q.stride() or seed.lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"prefill attention: seed out {tuple(seed.out.shape)} / lse {tuple(seed.lse.shape)} "
                          f"do not match q {tuple(q.shape)}")
-    if len(seed.key_start_host) != batch or any(start % block_n for start in seed.key_start_host):
-        raise ValueError(f"prefill attention: seed key starts {seed.key_start_host} need one per sequence "
+    starts = seed.plan.key_start_host
+    if len(starts) != batch or any(start % block_n for start in starts):
+        raise ValueError(f"prefill attention: seed key starts {starts} need one per sequence "
                          f"({batch}), each a multiple of the KV tile ({block_n})")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention.reference import gather_kv_ref
+
 # (q [C, Hq, D], k [P, Hkv, D], v [P, Hkv, D], scale) -> (out [C, Hq, D] in q's dtype, lse [Hq, C] float32)
 PrefixAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
@@ -30,18 +32,6 @@ class PrefixSpan:
     key_start: int
 
 
-@dataclass(frozen=True)
-class PrefixSeed:
-    """Each row's softmax over its sequence's keys [0, key_start[b]): `out` [T, Hq, D] normalised,
-    `lse` [Hq, T] float32 natural log (-inf for rows of sequences with no span), `key_start` [B] int32
-    on the device beside its host copy."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    key_start: torch.Tensor
-    key_start_host: tuple[int, ...]
-
-
 def prefix_spans(seq_lens: list[int], query_start_loc: list[int], *, min_keys: int, min_rows: int,
                  align: int) -> list[PrefixSpan]:
     """The sequences whose cached prefix is worth attending outside the kernel: at least `min_rows` new
@@ -54,13 +44,6 @@ def prefix_spans(seq_lens: list[int], query_start_loc: list[int], *, min_keys: i
         if q_end - q_start >= min_rows and keys >= min_keys:
             spans.append(PrefixSpan(b, q_start, q_end, keys))
     return spans
-
-
-def gather_prefix(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's pages as one contiguous [length, Hkv, D] copy."""
-    page = cache.shape[1]
-    pages = block_table[:(length + page - 1) // page].long()
-    return cache.index_select(0, pages).view(-1, *cache.shape[2:])[:length]
 
 
 # torch builds (tens of ms) and keeps one cuDNN graph per shape, so rows are padded to a multiple of this and
@@ -104,6 +87,16 @@ class PrefixPlan:
     key_start_host: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PrefixSeed:
+    """Each row's softmax over its sequence's keys [0, plan.key_start[b]): `out` [T, Hq, D] normalised,
+    `lse` [Hq, T] float32 natural log (-inf for rows of sequences with no span)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    plan: PrefixPlan
+
+
 def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device) -> PrefixPlan:
     key_start = [0] * num_seqs
     for span in spans:
@@ -119,12 +112,12 @@ def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     out = torch.empty_like(q)
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     for span in plan.spans:
-        k = gather_prefix(k_cache, block_tables[span.seq], span.key_start)
-        v = gather_prefix(v_cache, block_tables[span.seq], span.key_start)
+        k = gather_kv_ref(k_cache, block_tables[span.seq], span.key_start)
+        v = gather_kv_ref(v_cache, block_tables[span.seq], span.key_start)
         rows_out, rows_lse = attend(q[span.q_start:span.q_end], k, v, scale)
         out[span.q_start:span.q_end] = rows_out
         lse[:, span.q_start:span.q_end] = rows_lse
-    return PrefixSeed(out, lse, plan.key_start, plan.key_start_host)
+    return PrefixSeed(out, lse, plan)
 
 
 # Head sizes the GPU tests run cuDNN's attention at (tests/kernels/test_prefill_prefix.py).

@@ -16,13 +16,13 @@ import torch
 from kernels import prefill_attention
 from kernels.attention.prefix import (
     PrefixSpan,
-    gather_prefix,
     plan_prefix,
     prefix_attention_cudnn,
     prefix_attention_ref,
     prefix_seed,
     prefix_spans,
 )
+from kernels.attention.reference import gather_kv_ref
 from kernels.vendor import PrefillConfig
 from tests.kernels.test_prefill import DEVICE, oracle, paged_prefill_case, rel_err
 
@@ -36,9 +36,9 @@ def test_prefix_spans_take_long_prefixes_on_tile_boundaries():
     assert spans == [PrefixSpan(0, 0, 100, 448), PrefixSpan(3, 141, 205, 192)]
 
 
-def test_gather_prefix_reads_the_pages_in_table_order():
+def test_the_prefix_gather_reads_the_pages_in_table_order():
     _, k, _, tables, _, _ = paged_prefill_case([70], [70], 2, 2, 64, 16, torch.float32, seed=3)
-    got = gather_prefix(k, tables[0], 37)
+    got = gather_kv_ref(k, tables[0], 37)
     want = torch.cat([k[int(p)] for p in tables[0, :3]])[:37]
     assert torch.equal(got, want)
 
