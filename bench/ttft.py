@@ -82,11 +82,11 @@ def _point(length: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "tpot_ms": statistics.median(tpots) if tpots else None, "runs": runs}
 
 
-def measure_transformers_ttft(config: Any, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+def load_transformers(config: Any) -> tuple[Any, Any]:
+    """(transformers model, our tokenizer) for the configured model, on the engine's device and dtype."""
     from transformers import AutoConfig
 
-    from bench.hf_generate import load_hf_model, time_generate
+    from bench.hf_generate import load_hf_model
     from engine.model.loader import resolve_model_dir
     from engine.text.tokenizer import Tokenizer
     from engine.worker.device import select_device, select_dtype
@@ -95,8 +95,16 @@ def measure_transformers_ttft(config: Any, args: argparse.Namespace) -> dict[str
     device, _ = select_device(config.backend.gpu_vendor)
     checkpoint_dtype = getattr(AutoConfig.from_pretrained(model_dir), "torch_dtype", None)
     dtype = select_dtype(config.model.dtype, device, checkpoint_dtype, cpu_weight_dtype=config.backend.cpu_weight_dtype)
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    model = load_hf_model(model_dir, dtype, device)
+    return load_hf_model(model_dir, dtype, device), Tokenizer.from_pretrained(model_dir)
+
+
+def measure_transformers_ttft(config: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from bench.hf_generate import time_generate
+
+    model, tokenizer = load_transformers(config)
+    device, dtype = model.device, model.dtype
     try:
         for w in range(args.warmup):
             time_generate(model, _prompt(tokenizer, args.context_lens[0], f"{args.seed}/warm/{w}"), 1)
