@@ -110,10 +110,10 @@ _CONFIGS = {
     # Prefill: the H200 sweep of bench/prefill_kernels.py (bench/RESULTS.md); D=256 keeps its tiles
     # in shared memory with narrower KV tiles (not measured).
     "nvidia": VendorConfigs("nvidia", DecodeConfig(),
-                            # cuDNN over cached prefixes of 8K+ keys: a 2048-token chunk after 8K takes 0.58 ms
-                            # against the kernel's 0.79, after 4K 0.53 against 0.45 (bench/RESULTS.md)
+                            # cuDNN over cached prefixes of 4K+ keys: from there a 2048-token chunk gains or breaks
+                            # even (bench/RESULTS.md)
                             PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack=4, tma=True,
-                                          prefix_min_keys=8192),
+                                          prefix_min_keys=4096),
                             prefill_by_head_dim={256: PrefillConfig(block_m=64, block_n=32, pack=4)},
                             # FP8 pages: a tile of 1-byte codes is half the bytes, so many one-warp programs keep
                             # enough loads in flight (the launch sweep of bench/kv_fp8.py, bench/RESULTS.md)

@@ -312,7 +312,8 @@ class DenseBackend(AttentionBackend):
             spans = prefix_spans(list(metadata.seq_lens_host), list(metadata.query_start_loc_host),
                                  min_keys=config.prefix_min_keys, min_rows=config.prefix_min_rows,
                                  align=config.prefix_key_bucket)
-            plan = plan_prefix(spans, metadata.num_seqs, q.device) if spans else None
+            plan = plan_prefix(spans, metadata.num_seqs, q.device, metadata.block_tables_host,
+                               k_cache.shape[1]) if spans else None
             self._prefix = (metadata, plan)
         return None if plan is None else prefix_seed(q, k_cache, v_cache, metadata.block_tables, plan, scale)
 

@@ -37,7 +37,8 @@ class AttentionMetadata:
     block_tables[B, M]  the pages of each sequence, padded with 0
     plan                the backend's host-side decisions for this step (`AttentionBackend.plan` of `step_shape`)
     counters            what the backend counted this step (summed by the engine, exported by /metrics)
-    seq_lens_host, query_start_loc_host: host copies of the two, where the runner has them (empty otherwise)
+    seq_lens_host, query_start_loc_host, block_tables_host: host copies, where the runner has them
+                        (empty / None otherwise)
     """
 
     positions: torch.Tensor
@@ -51,6 +52,7 @@ class AttentionMetadata:
     plan: AttentionPlan = field(default_factory=AttentionPlan)
     seq_lens_host: tuple[int, ...] = ()
     query_start_loc_host: tuple[int, ...] = ()
+    block_tables_host: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,7 @@ from engine.attention.layer import Attention, forward_context
 from engine.attention.metadata import AttentionCounters, AttentionMetadata
 from engine.request.sequence import Sequence
 from engine.worker.cuda_graph import DecodeGraphs
+from kernels.host_copy import host_to_device, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -165,20 +166,25 @@ class ModelRunner:
         block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
                                     dtype=torch.int32)
         dev = self.device
+        # A step that samples waits for the device when its tokens are read; one that does not (the earlier
+        # chunks of a long prompt) uploads without a stream sync, so the host builds the next chunk while
+        # this one runs (bench/RESULTS.md).
+        asynchronous = not sampled
         query_lens = [b - a for a, b in pairwise(query_start_loc)]
         metadata = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
+            positions=to_device(positions, torch.long, dev, asynchronous),
+            slot_mapping=to_device(slot_mapping, torch.long, dev, asynchronous),
+            query_start_loc=to_device(query_start_loc, torch.int32, dev, asynchronous),
+            seq_lens=to_device(seq_lens, torch.int32, dev, asynchronous),
+            block_tables=host_to_device(block_tables, dev, asynchronous),
             max_query_len=max(query_lens),
             is_decode_only=all(n == 1 for n in query_lens),
             seq_lens_host=tuple(seq_lens),
             query_start_loc_host=tuple(query_start_loc),
+            block_tables_host=block_tables,
         )
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=dev), metadata,
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled, prompt_rows)
+        return StepInputs(to_device(input_ids, torch.long, dev, asynchronous), metadata,
+                          to_device(logits_indices, torch.long, dev, asynchronous), sampled, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> ExecuteResult:

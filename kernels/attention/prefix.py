@@ -3,7 +3,8 @@
 Every row of a chunk sees all keys before the chunk's first token: a dense rectangle of rows x
 prefix keys, with no mask. On Hopper cuDNN's fused attention runs that rectangle faster than a
 Triton kernel reaches (about 610-640 TFLOP/s against 450, bench/RESULTS.md), so for long prefixes
-the rectangle is gathered from the pages into one contiguous K/V per sequence, attended by cuDNN
+the rectangle is read as one contiguous K/V per sequence (its pages in place when they are consecutive
+blocks, else gathered), attended by cuDNN
 with its log-sum-exp, and handed to `prefill_attention` as a `PrefixSeed`: each row's softmax state
 over keys [0, key_start), from which the kernel folds in the rest (the chunk's own causal part).
 The two parts merge exactly: a state (max = lse, denominator = 1, accumulator = normalised out) is
@@ -12,11 +13,12 @@ what the online softmax would hold after those keys.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kernels.attention.reference import gather_kv_ref
+from kernels.host_copy import to_device
 
 # (q [C, Hq, D], k [P, Hkv, D], v [P, Hkv, D], scale) -> (out [C, Hq, D] in q's dtype, lse [Hq, C] float32)
 PrefixAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -24,12 +26,15 @@ PrefixAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple
 
 @dataclass(frozen=True)
 class PrefixSpan:
-    """Rows [q_start, q_end) of sequence `seq` attend keys [0, key_start) outside the prefill kernel."""
+    """Rows [q_start, q_end) of sequence `seq` attend keys [0, key_start) outside the prefill kernel.
+    `first_block`: the prefix's pages are blocks first_block, first_block + 1, ... of the cache, so the
+    prefix is read where it lies instead of gathered (`plan_prefix` finds such runs)."""
 
     seq: int
     q_start: int
     q_end: int
     key_start: int
+    first_block: int | None = None
 
 
 def prefix_spans(seq_lens: list[int], query_start_loc: list[int], *, min_keys: int, min_rows: int,
@@ -97,23 +102,47 @@ class PrefixSeed:
     plan: PrefixPlan
 
 
-def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device) -> PrefixPlan:
+def page_run_start(block_table: torch.Tensor, num_blocks: int) -> int | None:
+    """The first block of a table whose first `num_blocks` entries are consecutive block ids, else None."""
+    head = block_table[:num_blocks]
+    if num_blocks > 1 and not bool((head[1:] - head[:-1] == 1).all()):
+        return None
+    return int(head[0])
+
+
+def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device,
+                block_tables_host: torch.Tensor | None = None, block_size: int = 0) -> PrefixPlan:
+    """The step's plan. With the host copy of the block tables, spans whose prefix pages form one run of
+    consecutive blocks (what a fresh cache hands a lone long prompt) read them in place."""
     key_start = [0] * num_seqs
     for span in spans:
         key_start[span.seq] = span.key_start
-    return PrefixPlan(tuple(spans), torch.tensor(key_start, dtype=torch.int32, device=device), tuple(key_start))
+    if block_tables_host is not None:
+        spans = [replace(span, first_block=page_run_start(block_tables_host[span.seq],
+                                                          -(-span.key_start // block_size))) for span in spans]
+    return PrefixPlan(tuple(spans), to_device(key_start, torch.int32, device), tuple(key_start))
+
+
+def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpan) -> torch.Tensor:
+    """The span's keys [0, key_start) of `cache` as [key_start, Hkv, D]: a view of its pages when they are
+    one run of blocks, else a gathered copy."""
+    if span.first_block is None:
+        return gather_kv_ref(cache, block_table, span.key_start)
+    num_blocks = -(-span.key_start // cache.shape[1])
+    pages = cache[span.first_block:span.first_block + num_blocks]
+    return pages.reshape(num_blocks * cache.shape[1], *cache.shape[2:])[:span.key_start]
 
 
 def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 plan: PrefixPlan, scale: float, attend: PrefixAttend = prefix_attention_cudnn) -> PrefixSeed:
-    """Attend each span's rows over its gathered prefix with `attend`; the seed for `prefill_attention`.
+    """Attend each span's rows over its prefix (`prefix_pages`) with `attend`; the seed for `prefill_attention`.
     Rows outside every span keep lse = -inf (the kernel reads no `out` for them)."""
     num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     for span in plan.spans:
-        k = gather_kv_ref(k_cache, block_tables[span.seq], span.key_start)
-        v = gather_kv_ref(v_cache, block_tables[span.seq], span.key_start)
+        k = prefix_pages(k_cache, block_tables[span.seq], span)
+        v = prefix_pages(v_cache, block_tables[span.seq], span)
         rows_out, rows_lse = attend(q[span.q_start:span.q_end], k, v, scale)
         out[span.q_start:span.q_end] = rows_out
         lse[:, span.q_start:span.q_end] = rows_lse
