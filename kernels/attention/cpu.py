@@ -1,14 +1,15 @@
 """Paged attention tuned for the CPU: torch's fused kernels over gathered K/V, no per-page Python.
 
 Same signatures and cache layout as `kernels.attention.reference` (its torch references stay the
-oracle). Prefill runs `scaled_dot_product_attention` (CPU flash kernels) over each sequence's
-gathered K/V; decode is one exact pass through SDPA too: short batches gathered once, long sequences
-read in place (a run of consecutive pages in the NHD layout is a strided [tokens, Hkv, D] view), cut
-into chunks attended as one batch and merged by their log-sum-exps (split-KV on the CPU: the flash
-kernel parallelises over batch x heads only, and one sequence has a few KV heads). In prefill a
-group's query heads see their KV head expanded, because SDPA's `enable_gqa` on the CPU is several
-times slower than the expanded call. FP8 pages (`kernels.attention.kv_quant`) are dequantized
-as they are read: a gather, or each run of pages converted once per layer.
+oracle). Prefill runs SDPA's CPU flash kernel over each sequence's gathered K/V (a chunk's own keys
+causal, its cached prefix unmasked, merged by log-sum-exp); decode is one exact pass through SDPA
+too: short batches gathered once, long sequences read in place (a run of consecutive pages in the
+NHD layout is a strided [tokens, Hkv, D] view), cut into chunks attended as one batch and merged by
+their log-sum-exps (split-KV on the CPU: the flash kernel parallelises over batch x heads only, and
+one sequence has a few KV heads). In prefill a group's query heads see their KV head expanded,
+because SDPA's `enable_gqa` on the CPU is several times slower than the expanded call. FP8 pages
+(`kernels.attention.kv_quant`) are dequantized as they are read: a gather, or each run of pages
+converted once per layer.
 """
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           query_start_loc: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.prefill_attention_ref` through SDPA: q[T, Hq, D] of each sequence's new tokens
-    (the last q_len of its seq_lens[b] tokens, whose K/V are in the pages) -> out[T, Hq, D]."""
+    (the last q_len of its seq_lens[b] tokens, whose K/V are in the pages) -> out[T, Hq, D].
+
+    A chunk after a cached prefix is two flash calls merged by their log-sum-exps: the chunk's own keys
+    with `is_causal` and the prefix keys without a mask; one call with the bottom-right mask would walk
+    every masked block too (bench/RESULTS.md)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -68,17 +73,25 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _heads_first(gather_kv_ref(k_cache, block_tables[b], context_len, k_scale, q.dtype), group)
-        v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len, v_scale, q.dtype), group)
+        k = _heads_first(gather_kv_ref(k_cache, block_tables[b], context_len, k_scale, q.dtype), group)[None]
+        v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len, v_scale, q.dtype), group)[None]
         qh = q[q_start:q_end].transpose(0, 1)[None]     # 4-D: SDPA's CPU flash kernel takes no 3-D input
-        if q_len == context_len:
-            o = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
-        else:   # a cached prefix: the causal diagonal sits at the bottom right
-            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask, scale=scale)
-        out[q_start:q_end] = o[0].transpose(0, 1)
+        cached = context_len - q_len
+        own, own_lse = _flash_cpu(qh, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
+        if cached:
+            before, before_lse = _flash_cpu(qh, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
+            weights = torch.softmax(torch.stack((own_lse, before_lse)), dim=0)[..., None]
+            own = (weights[0] * own.float() + weights[1] * before.float()).to(q.dtype)
+        out[q_start:q_end] = own[0].transpose(0, 1)
     return out
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel on [1, H, L, D] inputs -> (out [1, H, Lq, D], log-sum-exp [1, H, Lq] float32);
+    `causal`: query i sees keys 0..i (top-left, the chunk over its own keys)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)[:2]
+    return out, lse
 
 
 # A padded gather of the whole batch is cheaper than a Python loop over sequences while the batch's
