@@ -3,12 +3,12 @@
 Every row of a chunk sees all keys before the chunk's first token: a dense rectangle of rows x
 prefix keys, with no mask. On Hopper cuDNN's fused attention runs that rectangle faster than a
 Triton kernel reaches (about 610-640 TFLOP/s against 450, bench/RESULTS.md), so for long prefixes
-the rectangle is read as one contiguous K/V per sequence (its pages in place when they are consecutive
-blocks, else gathered), attended by cuDNN
-with its log-sum-exp, and handed to `prefill_attention` as a `PrefixSeed`: each row's softmax state
-over keys [0, key_start), from which the kernel folds in the rest (the chunk's own causal part).
-The two parts merge exactly: a state (max = lse, denominator = 1, accumulator = normalised out) is
-what the online softmax would hold after those keys.
+the rectangle is read as one contiguous K/V per sequence (its pages in place when they are
+consecutive blocks, else gathered), attended by cuDNN with its log-sum-exp, and handed to
+`prefill_attention` as a `PrefixSeed`: each row's softmax state over keys [0, key_start), from which
+the kernel folds in the rest (the chunk's own causal part). The two parts merge exactly: a state
+(max = lse, denominator = 1, accumulator = normalised out) is what the online softmax would hold
+after those keys.
 """
 from __future__ import annotations
 
