@@ -1,8 +1,8 @@
 """Paged attention tuned for the CPU: torch's fused kernels over gathered K/V, no per-page Python.
 
 Same signatures and cache layout as `kernels.attention.reference` (its torch references stay the
-oracle). Prefill runs SDPA's CPU flash kernel over each sequence's gathered K/V (a chunk's own keys
-causal, its cached prefix unmasked, merged by log-sum-exp); decode is one exact pass through SDPA
+oracle). Prefill runs SDPA's CPU flash kernel over each sequence's gathered K/V (a long chunk's own
+keys causal, its cached prefix unmasked, merged by log-sum-exp); decode is one exact pass through SDPA
 too: short batches gathered once, long sequences read in place (a run of consecutive pages in the
 NHD layout is a strided [tokens, Hkv, D] view), cut into chunks attended as one batch and merged by
 their log-sum-exps (split-KV on the CPU: the flash kernel parallelises over batch x heads only, and
@@ -62,9 +62,13 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """`reference.prefill_attention_ref` through SDPA: q[T, Hq, D] of each sequence's new tokens
     (the last q_len of its seq_lens[b] tokens, whose K/V are in the pages) -> out[T, Hq, D].
 
-    A chunk after a cached prefix is two flash calls merged by their log-sum-exps: the chunk's own keys
-    with `is_causal` and the prefix keys without a mask; one call with the bottom-right mask would walk
-    every masked block too (bench/RESULTS.md)."""
+    A long chunk after a cached prefix (at least `SPLIT_MIN_ROWS` rows) is two flash calls merged by their
+    log-sum-exps: the chunk's own keys with `is_causal` and the prefix keys without a mask, since one call
+    with the bottom-right mask walks every masked block too (bench/RESULTS.md). A short chunk keeps the
+    one masked call: its masked blocks are few, and its rows come out bit for bit as the whole prompt's
+    causal call computes them, so a prompt prefilled in one chunk and sent again, served from the prefix
+    cache, samples what it sampled the first time (a longer prompt's split chunks differ from such a
+    repeat in the last bits)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -77,13 +81,23 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         v = _heads_first(gather_kv_ref(v_cache, block_tables[b], context_len, v_scale, q.dtype), group)[None]
         qh = q[q_start:q_end].transpose(0, 1)[None]     # 4-D: SDPA's CPU flash kernel takes no 3-D input
         cached = context_len - q_len
-        own, own_lse = _flash_cpu(qh, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
-        if cached:
+        if cached == 0:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        elif q_len < SPLIT_MIN_ROWS:   # the causal diagonal sits at the bottom right
+            q_pos = torch.arange(cached, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        else:
+            own, own_lse = _flash_cpu(qh, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
             before, before_lse = _flash_cpu(qh, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
             weights = torch.softmax(torch.stack((own_lse, before_lse)), dim=0)[..., None]
-            own = (weights[0] * own.float() + weights[1] * before.float()).to(q.dtype)
-        out[q_start:q_end] = own[0].transpose(0, 1)
+            o = (weights[0] * own.float() + weights[1] * before.float()).to(q.dtype)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out
+
+
+# Rows from which a chunk after a cached prefix is attended in two calls (its own keys causal, the prefix unmasked).
+SPLIT_MIN_ROWS = 512
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

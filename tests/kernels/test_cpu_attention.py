@@ -180,6 +180,8 @@ PREFILL_CASES = [
     ([100, 40, 67], [37, 40, 1], 9, 3, 64, 16),
     ([17, 161], [1, 129], 8, 2, 32, 16),
     ([257], [64], 6, 1, 128, 64),
+    ([700, 45], [600, 45], 9, 3, 64, 16),     # a long chunk after a prefix: causal + unmasked, merged
+    ([1100], [513], 4, 2, 64, 32),
 ]
 
 
@@ -203,6 +205,18 @@ def test_prefill_matches_float64_and_the_reference(case, dtype):
     assert err < tol, f"rel. error {err:.2e} against float64"
     ref = prefill_attention_ref(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale=scale)
     assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_chunk_after_a_prefix_equals_the_whole_prompt_bit_for_bit(dtype):
+    """A repeated request served from the prefix cache recomputes its last rows as the first one did."""
+    k_cache, v_cache, tables, seq_lens, gen = paged([300], 3, 64, 16, dtype, seed=12)
+    q = torch.randn(300, 9, 64, generator=gen).to(dtype)
+    whole = prefill_attention_cpu(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 300], dtype=torch.int32),
+                                  scale=0.125)
+    tail = prefill_attention_cpu(q[-11:], k_cache, v_cache, tables, seq_lens,
+                                 torch.tensor([0, 11], dtype=torch.int32), scale=0.125)
+    assert torch.equal(tail, whole[-11:])
 
 
 def test_prefill_skips_sequences_without_new_tokens():
