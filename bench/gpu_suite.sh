@@ -9,9 +9,10 @@
 # "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
 # Qwen3-30B-A3B's expert shape, checks them against float32 and times them against a per-expert
 # cuBLAS loop; "moe_e2e" (about 8 minutes): synthetic:qwen3-30b-a3b end to end (batch 1 at 1K and
-# 16K, 32 concurrent 4K requests). "prefill" (about 8 minutes): the prefill kernel's GPU tests and
-# its per-layer time against SDPA, then the time to first token from 1K to 130K beside transformers,
-# with pages of 16 and of 128. "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
+# 16K, 32 concurrent 4K requests). "prefill" (about 13 minutes): the prefill kernel's and the cuDNN
+# prefix's GPU tests and the kernel's per-layer time against SDPA, then the time to first token from 1K
+# to 130K beside transformers, with pages of 16 and of 128, and where that time goes at 1K, 32K and
+# 130K (bench/prefill_profile.py). "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
 # synthetic Llama-3.1-8B at TP = 1 and TP = 2 (batch 1 at 1K, 32 x 16K) and synthetic Llama-3.1-70B at
 # TP = 2 (batch 1 at 1K, one 32K prompt), with NVLink multicast off.
 set -u
@@ -72,6 +73,7 @@ if [ "$PART" = moe_e2e ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = prefill ] || [ "$PART" = all ]; then
     step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
+    step 150 prefix_tests python -m pytest -q tests/kernels/test_prefill_prefix.py tests/engine/test_engine_gpu.py
     step 110 prefill_kernels python bench/prefill_kernels.py --check --prompt --prompt-pages 16,128 --chunks 2048 \
         --lengths 16384,131072 --out "$OUT"
     L=1024,4096,16384,32768,65536,102400,130000
@@ -79,6 +81,10 @@ if [ "$PART" = prefill ] || [ "$PART" = all ]; then
         --transformers --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b16.json"
     step 150 prefill_ttft_b128 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
         --set backend.block_size=128 --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b128.json"
+    for N in 1024 32768 130000; do
+        step 200 prefill_profile_$N python bench/prefill_profile.py --model synthetic:llama-3.1-8b \
+            --context-len $N --transformers --out "$OUT"
+    done
 fi
 if [ "$PART" = tp ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
