@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.kv_quant import dequantize_kv, store_rows
+from kernels.attention.page_runs import PageRun, page_runs, run_view
 from kernels.attention.reference import gather_kv_ref, store_kv_ref
 
 
@@ -88,10 +89,9 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
         else:
-            own, own_lse = _flash_cpu(qh, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
-            before, before_lse = _flash_cpu(qh, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
-            weights = torch.softmax(torch.stack((own_lse, before_lse)), dim=0)[..., None]
-            o = (weights[0] * own.float() + weights[1] * before.float()).to(q.dtype)
+            own = _flash_cpu(qh, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
+            before = _flash_cpu(qh, k[:, :, :cached], v[:, :, :cached], scale, causal=False)
+            o = _merge_by_lse([own, before])[None].to(q.dtype)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
@@ -101,11 +101,18 @@ SPLIT_MIN_ROWS = 512
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel on [1, H, L, D] inputs -> (out [1, H, Lq, D], log-sum-exp [1, H, Lq] float32);
+               causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel on [N, H, L, D] inputs -> (out [N, H, Lq, D], log-sum-exp [N, H, Lq] float32);
     `causal`: query i sees keys 0..i (top-left, the chunk over its own keys)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)[:2]
     return out, lse
+
+
+def _merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over disjoint key sets [N_i, H, Lq, D] (with their log-sum-exps) merged exactly into one
+    over all of them: float32 [H, Lq, D]."""
+    weights = torch.softmax(torch.cat([lse for _, lse in parts]), dim=0)
+    return (weights[..., None] * torch.cat([out for out, _ in parts]).float()).sum(0)
 
 
 # A padded gather of the whole batch is cheaper than a Python loop over sequences while the batch's
@@ -123,34 +130,6 @@ KV_SPLITS = 4
 KV_SPLIT_MIN_CHUNK = 512
 # A block table in more pieces than this is gathered instead (each piece costs an SDPA call).
 MAX_PAGE_RUNS = 16
-
-
-@dataclass(frozen=True)
-class PageRun:
-    """Consecutive pages [first_block, first_block + num_blocks) holding `num_tokens` tokens."""
-
-    first_block: int
-    num_blocks: int
-    num_tokens: int
-
-
-def page_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[list[PageRun]]:
-    """Each sequence's pages as runs of consecutive block ids (the block manager hands out blocks in
-    order, so a sequence is usually one run): the views that `decode_attention_cpu` reads in place."""
-    runs: list[list[PageRun]] = []
-    for b, length in enumerate(seq_lens.tolist()):
-        num_pages = (length + block_size - 1) // block_size
-        if num_pages == 0:
-            runs.append([])
-            continue
-        table = block_tables[b, :num_pages].long()
-        breaks = ((table[1:] - table[:-1]) != 1).nonzero().flatten().add_(1).tolist()
-        starts = [0, *breaks]
-        ends = [*breaks, num_pages]
-        first_blocks = table[starts].tolist()
-        runs.append([PageRun(first, end - start, min(end * block_size, length) - start * block_size)
-                     for first, start, end in zip(first_blocks, starts, ends, strict=True)])
-    return runs
 
 
 @dataclass(frozen=True)
@@ -210,20 +189,14 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             keys = [gather_kv_ref(k_cache, block_tables[b], length)]
             values = [gather_kv_ref(v_cache, block_tables[b], length)]
         else:
-            keys = [_run_view(k_cache, run) for run in seq_runs]
-            values = [_run_view(v_cache, run) for run in seq_runs]
+            keys = [run_view(k_cache, run) for run in seq_runs]
+            values = [run_view(v_cache, run) for run in seq_runs]
         if k_scale is not None:   # FP8 codes: converted once, the scale folded in
             keys = [dequantize_kv(k, k_scale) for k in keys]
         if v_scale is not None:
             values = [dequantize_kv(v, v_scale) for v in values]
         out[b] = _attend_one(q[b], keys, values, scale)
     return out
-
-
-def _run_view(cache: torch.Tensor, run: PageRun) -> torch.Tensor:
-    """The run's tokens as a [num_tokens, Hkv, D] view of the pages (no copy)."""
-    pages = cache[run.first_block:run.first_block + run.num_blocks]
-    return pages.view(-1, *cache.shape[2:])[:run.num_tokens]
 
 
 def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -240,17 +213,10 @@ def _attend_one(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         out = F.scaled_dot_product_attention(qg, keys[0].permute(1, 0, 2)[None], values[0].permute(1, 0, 2)[None],
                                              scale=scale)
         return out.reshape(q.shape).to(q.dtype)
-    outs: list[torch.Tensor] = []
-    lses: list[torch.Tensor] = []
-    for k, v in zip(keys, values, strict=True):
-        for k_chunks, v_chunks in zip(_chunks(k), _chunks(v), strict=True):   # [n, Hkv, L, D] each
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qg.expand(k_chunks.shape[0], -1, -1, -1), k_chunks, v_chunks, scale=scale)
-            outs.append(out)    # [n, Hkv, G, D]
-            lses.append(lse)    # [n, Hkv, G]
-    weights = torch.softmax(torch.cat(lses), dim=0)
-    merged = (weights[..., None] * torch.cat(outs).float()).sum(0)
-    return merged.reshape(q.shape).to(q.dtype)
+    parts = [_flash_cpu(qg.expand(k_chunks.shape[0], -1, -1, -1), k_chunks, v_chunks, scale)   # [n, Hkv, G, D]
+             for k, v in zip(keys, values, strict=True)
+             for k_chunks, v_chunks in zip(_chunks(k), _chunks(v), strict=True)]
+    return _merge_by_lse(parts).reshape(q.shape).to(q.dtype)
 
 
 def _chunks(kv: torch.Tensor) -> list[torch.Tensor]:

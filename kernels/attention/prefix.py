@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.attention.page_runs import PageRun, page_runs, run_view
 from kernels.attention.reference import gather_kv_ref
 from kernels.host_copy import to_device
 
@@ -27,14 +28,14 @@ PrefixAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple
 @dataclass(frozen=True)
 class PrefixSpan:
     """Rows [q_start, q_end) of sequence `seq` attend keys [0, key_start) outside the prefill kernel.
-    `first_block`: the prefix's pages are blocks first_block, first_block + 1, ... of the cache, so the
-    prefix is read where it lies instead of gathered (`plan_prefix` finds such runs)."""
+    `run`: the prefix's pages as one run of consecutive blocks, read where they lie instead of gathered
+    (`plan_prefix` finds it)."""
 
     seq: int
     q_start: int
     q_end: int
     key_start: int
-    first_block: int | None = None
+    run: PageRun | None = None
 
 
 def prefix_spans(seq_lens: list[int], query_start_loc: list[int], *, min_keys: int, min_rows: int,
@@ -102,14 +103,6 @@ class PrefixSeed:
     plan: PrefixPlan
 
 
-def page_run_start(block_table: torch.Tensor, num_blocks: int) -> int | None:
-    """The first block of a table whose first `num_blocks` entries are consecutive block ids, else None."""
-    head = block_table[:num_blocks]
-    if num_blocks > 1 and not bool((head[1:] - head[:-1] == 1).all()):
-        return None
-    return int(head[0])
-
-
 def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device,
                 block_tables_host: torch.Tensor | None = None, block_size: int = 0) -> PrefixPlan:
     """The step's plan. With the host copy of the block tables, spans whose prefix pages form one run of
@@ -118,19 +111,22 @@ def plan_prefix(spans: list[PrefixSpan], num_seqs: int, device: torch.device,
     for span in spans:
         key_start[span.seq] = span.key_start
     if block_tables_host is not None:
-        spans = [replace(span, first_block=page_run_start(block_tables_host[span.seq],
-                                                          -(-span.key_start // block_size))) for span in spans]
+        spans = [replace(span, run=_single_run(block_tables_host[span.seq], span.key_start, block_size))
+                 for span in spans]
     return PrefixPlan(tuple(spans), to_device(key_start, torch.int32, device), tuple(key_start))
+
+
+def _single_run(block_table: torch.Tensor, num_tokens: int, block_size: int) -> PageRun | None:
+    runs = page_runs(block_table[None], torch.tensor([num_tokens]), block_size)[0]
+    return runs[0] if len(runs) == 1 else None
 
 
 def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpan) -> torch.Tensor:
     """The span's keys [0, key_start) of `cache` as [key_start, Hkv, D]: a view of its pages when they are
     one run of blocks, else a gathered copy."""
-    if span.first_block is None:
+    if span.run is None:
         return gather_kv_ref(cache, block_table, span.key_start)
-    num_blocks = -(-span.key_start // cache.shape[1])
-    pages = cache[span.first_block:span.first_block + num_blocks]
-    return pages.reshape(num_blocks * cache.shape[1], *cache.shape[2:])[:span.key_start]
+    return run_view(cache, span.run)
 
 
 def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -16,7 +16,6 @@ import torch
 from kernels import prefill_attention
 from kernels.attention.prefix import (
     PrefixSpan,
-    page_run_start,
     plan_prefix,
     prefix_attention_cudnn,
     prefix_attention_ref,
@@ -47,19 +46,16 @@ def test_the_prefix_gather_reads_the_pages_in_table_order():
 
 def test_page_runs_are_found_only_where_the_blocks_are_consecutive():
     table = torch.tensor([7, 8, 9, 10, 3, 4], dtype=torch.int32)
-    assert page_run_start(table, 4) == 7
-    assert page_run_start(table, 1) == 7
-    assert page_run_start(table, 5) is None
     spans = [PrefixSpan(0, 0, 10, 64), PrefixSpan(1, 10, 20, 80)]   # 4 and 5 pages of 16
     plan = plan_prefix(spans, 2, torch.device("cpu"), torch.stack([table, table]), 16)
-    assert [s.first_block for s in plan.spans] == [7, None]
+    assert [s.run.first_block if s.run else None for s in plan.spans] == [7, None]
 
 
 def test_a_run_of_pages_is_read_in_place_and_equals_the_gather():
     _, k, _, _, _, _ = paged_prefill_case([70], [70], 2, 2, 64, 16, torch.float32, seed=5)
     table = torch.arange(1, 1 + k.shape[0] - 1, dtype=torch.int32)
     span = plan_prefix([PrefixSpan(0, 0, 1, 37)], 1, torch.device("cpu"), table[None], 16).spans[0]
-    assert span.first_block == 1
+    assert span.run is not None and span.run.first_block == 1
     got = prefix_pages(k, table, span)
     assert torch.equal(got, gather_kv_ref(k, table, 37))
     assert got.data_ptr() == k[1].data_ptr(), "a run of pages is a view of the cache, not a copy"
@@ -99,7 +95,7 @@ def test_seeded_prefill_over_a_run_of_pages_equals_the_whole_attention():
     tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 0, 0]], dtype=torch.int32)
     spans = prefix_spans(seq_lens, qsl.tolist(), min_keys=16, min_rows=2, align=SMALL.block_n)
     plan = plan_prefix(spans, 2, q.device, tables, 16)
-    assert [s.first_block for s in plan.spans] == [0, 8]
+    assert [s.run.first_block if s.run else None for s in plan.spans] == [0, 8]
     seed = prefix_seed(q, k, v, tables, plan, 0.125, attend=prefix_attention_ref)
     out = prefill_attention(q, k, v, tables, lens, qsl, scale=0.125, max_query_len=40, config=SMALL, seed=seed)
     err = rel_err(out, oracle(q, k, v, tables, lens, q_lens, 0.125))
