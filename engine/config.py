@@ -99,7 +99,7 @@ class FlashDecodingConfig(_Section):
 
 
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
-CpuAttention = Literal["fused", "reference"]
+CpuAttention = Literal["auto", "native", "fused", "reference"]
 PrefillPrefix = Literal["auto", "kernel"]
 KvCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
 
@@ -123,7 +123,10 @@ class BackendConfig(_Section):
                            "weights where the checkpoint is already 4-bit, an int8 LM head for decode; "
                            "int4 = bf16 plus int4 layers and the int8 LM head for decode")
     cpu_attention: CpuAttention = Field(
-        "fused", description="CPU attention: fused = torch SDPA / one-pass decode; reference = the paged oracle")
+        "auto", description="CPU attention: native = decode through the C++ paged kernel built for this CPU, "
+                            "prefill through torch SDPA; fused = torch SDPA for both; auto = native where the "
+                            "kernel builds and takes the cache (float32/bf16 pages), else fused; reference = "
+                            "the paged oracle")
     prefill_prefix: PrefillPrefix = Field(
         "auto", description="GPU prefill over a long cached prefix: auto = cuDNN's attention over the prefix, then "
                             "the paged kernel (NVIDIA compute 9.0+, bf16/fp16 pages, head_dim 64/128); "

@@ -13,11 +13,13 @@ algorithm:
 On a GPU every choice runs our Triton kernels; a prefill chunk over a long cached prefix attends that
 prefix through cuDNN first where `[backend] prefill_prefix = "auto"` allows (`kernels.attention.prefix`).
 On the CPU `[backend] cpu_attention` picks:
-"fused" (default) runs prefill through torch SDPA and "standard" / "flash" decode as one exact
-pass (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the
-result is the same softmax); "fdpp" keeps its unified-max reference, whose arithmetic differs.
-"reference" runs the torch reference of every algorithm (split and merge, unified max).
-`backend.name` says exactly which.
+"fused" runs prefill through torch SDPA and "standard" / "flash" decode as one exact pass
+(`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the result is
+the same softmax); "native" decodes through the C++ paged kernel instead (`kernels.native`, built
+for this CPU when the cache is allocated; its splits are merged exactly too); "auto" (default) is
+native where the kernel builds and takes the pages, else fused, and logs why. "fdpp" keeps its
+unified-max reference, whose arithmetic differs. "reference" runs the torch reference of every
+algorithm (split and merge, unified max). `backend.name` says exactly which.
 
 Per step, `plan` makes one decode plan (`kernels.plan_decode`: split count, workspaces) for a
 decode-only step on the GPU; each layer's `decode` runs it (`kernels.run_decode`).
@@ -58,6 +60,9 @@ from kernels.attention.prefix import (
     prefix_spans,
     warm_up_cudnn,
 )
+from kernels.native.build import NativeBuildError
+from kernels.native.paged_decode import NativeDecodePlan, isa, paged_decode_attention, plan_native_decode
+from kernels.native.paged_decode import unsupported as native_unsupported
 from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 
 if TYPE_CHECKING:
@@ -134,15 +139,21 @@ class DenseBackend(AttentionBackend):
     with RoPE on a GPU). Triton kernels on a GPU (`vendor`'s launch configs), torch on the CPU."""
 
     def __init__(self, fd: FlashDecodingConfig, device: torch.device, vendor: str, *,
-                 calibration_path: str | None = None, cpu_attention: CpuAttention = "fused",
+                 calibration_path: str | None = None, cpu_attention: CpuAttention = "auto",
                  prefill_prefix: PrefillPrefix = "auto") -> None:
         self.variant = decode_variant(fd)
         self.device = device
         on_gpu = device.type == "cuda"
         self.triton = on_gpu                     # Triton kernels (GPU; the interpreter in tests)
-        self.cpu_fused = not on_gpu and cpu_attention == "fused"
+        self.cpu_fused = not on_gpu and cpu_attention != "reference"
         self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
+        self.cpu_attention = cpu_attention
+        self.cpu_native = False                  # decode through kernels.native (`allocate` decides)
+        if self.variant == "fdpp" and cpu_attention == "native":
+            raise ValueError('[backend] cpu_attention = "native" decodes with the exact softmax; '
+                             '[flashdecoding] async_softmax = true has its own arithmetic (use "auto" or "fused")')
         self.decode_layout: cpu.DecodeLayout | None = None   # this step's, from layer 0
+        self.native_plan: NativeDecodePlan | None = None     # this step's, from layer 0
         self._step_slots: tuple[torch.Tensor | None, bool] = (None, False)   # (slot_mapping, any -1 in it)
         self.fuse_rope_store = on_gpu
         self.configs = vendor_configs(vendor)
@@ -183,6 +194,7 @@ class DenseBackend(AttentionBackend):
         decode_text = f"{where}: {TITLES[self.variant]} ({', '.join(details)})"
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
+        self._decode_text = decode_text
         prefill_text = "torch SDPA (cpu)" if self.cpu_fused else where
         store_text = f"{where}, fused with RoPE" if on_gpu else ("torch index copy (cpu)" if self.cpu_fused else where)
         self.name = f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
@@ -190,6 +202,8 @@ class DenseBackend(AttentionBackend):
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
         self.device = v_cache.device   # with its index: the plans' workspaces live beside the pages
+        if self.cpu_fused_decode and self.cpu_attention in ("auto", "native") and not self.cpu_native:
+            self._choose_native(spec)
         min_keys = self.configs.prefill_for(spec.head_dim).prefix_min_keys
         wanted = self.triton and self.prefill_prefix == "auto" and min_keys > 0 and not self.cudnn_prefix
         if wanted and cudnn_prefix_available(spec.dtype, spec.kv_dtype, spec.head_dim, v_cache.device):
@@ -203,6 +217,22 @@ class DenseBackend(AttentionBackend):
             # one set of views per layer, made once: every store, decode and prefill passes them
             self.layer_scales = [{"k_scale": k, "v_scale": v} for k, v in zip(self.kv_scales.k, self.kv_scales.v,
                                                                               strict=True)]
+
+    def _choose_native(self, spec: KVCacheSpec) -> None:
+        """Decode through the C++ kernel if it builds here and takes this cache; "native" insists."""
+        try:
+            reason = native_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.kv_dtype)
+        except NativeBuildError as exc:
+            reason = str(exc)
+        if reason is None:
+            self.cpu_native = True
+            native_text = f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}"
+            self.name = self.name.replace(self._decode_text, native_text, 1)
+            self._decode_text = native_text
+        elif self.cpu_attention == "native":
+            raise ValueError(f'[backend] cpu_attention = "native": the C++ decode kernel cannot run here: {reason}')
+        else:
+            logger.warning("CPU decode through torch SDPA: the C++ paged kernel cannot run here (%s)", reason)
 
     def _scales(self, layer_idx: int) -> LayerScales:
         """The layer's k_scale / v_scale for FP8 pages; nothing for others."""
@@ -245,6 +275,14 @@ class DenseBackend(AttentionBackend):
         if self.triton:
             return self._run_plan(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
         counters = metadata.counters
+        if self.cpu_native:
+            if layer_idx == 0 or self.native_plan is None:   # the step's block tables, once for all layers
+                spec = self._spec()
+                self.native_plan = plan_native_decode(metadata.block_tables, metadata.seq_lens, spec.num_heads,
+                                                      spec.num_kv_heads, spec.head_dim, k_cache.shape[1],
+                                                      k_cache.shape[0])
+            return paged_decode_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                          scale=scale, plan=self.native_plan)
         if self.cpu_fused_decode:
             if layer_idx == 0 or self.decode_layout is None:   # the step's block tables, once for all layers
                 self.decode_layout = cpu.decode_layout(metadata.block_tables, metadata.seq_lens, k_cache.shape[1])

@@ -1,5 +1,5 @@
 """`[flashdecoding]` -> backend: each switch picks exactly one algorithm; on CPU its torch reference
-(`cpu_attention = "reference"`) or the fused CPU attention (the default)."""
+(`cpu_attention = "reference"`), the fused CPU attention, or the C++ decode kernel (the default where it builds)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from engine.config import FlashDecodingConfig
 from engine.tools.calibration import calibrate
 from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref
+from kernels.native.paged_decode import isa
 from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
 
 CPU = torch.device("cpu")
@@ -60,11 +61,40 @@ def test_each_setting_names_and_runs_its_algorithm(settings, title):
     ({"async_softmax": True}, "torch reference (cpu): FlashDecoding++"),     # its arithmetic differs: no fusing
 ])
 def test_fused_cpu_attention_names_what_runs(settings, decode_name):
-    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu")
+    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu", cpu_attention="fused")
     assert backend.name.startswith(decode_name) and "prefill: torch SDPA (cpu)" in backend.name
     inputs = decode_inputs()
     out = run_decode(backend, inputs)
     assert torch.allclose(out, decode_attention_ref(*inputs, scale=0.25), atol=1e-5)
+
+
+@pytest.mark.parametrize("settings, title", [({"enable": False}, "standard attention"),
+                                             ({"kernel": "flash"}, "Flash-Decoding")])
+@pytest.mark.parametrize("cpu_attention", ["auto", "native"])
+def test_native_cpu_decode_is_chosen_when_the_cache_is_allocated(settings, title, cpu_attention):
+    backend = make_attention_backend(FlashDecodingConfig(**settings), CPU, "cpu", cpu_attention=cpu_attention)
+    inputs = decode_inputs()
+    q, k, v = inputs[:3]
+    backend.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
+    assert backend.name.startswith(f"C++ paged kernel (cpu, {isa()}), the softmax of {title}")
+    assert "prefill: torch SDPA (cpu)" in backend.name
+    out = run_decode(backend, inputs)
+    expected = decode_attention_ref(*(t.double() if t.is_floating_point() else t for t in inputs), scale=0.25)
+    assert (out.double() - expected).norm() / expected.norm() < 1e-5
+
+
+def test_native_cpu_decode_says_what_it_cannot_take():
+    inputs = decode_inputs(dim=12)    # not a multiple of the kernel's vector width
+    q, k, v = inputs[:3]
+    auto = make_attention_backend(FlashDecodingConfig(), CPU, "cpu")
+    auto.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
+    assert auto.name.startswith("torch one exact pass (cpu)")
+    assert torch.allclose(run_decode(auto, inputs), decode_attention_ref(*inputs, scale=0.25), atol=1e-5)
+    native = make_attention_backend(FlashDecodingConfig(), CPU, "cpu", cpu_attention="native")
+    with pytest.raises(ValueError, match="head_dim 12"):
+        native.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
+    with pytest.raises(ValueError, match="async_softmax"):
+        make_attention_backend(FlashDecodingConfig(async_softmax=True), CPU, "cpu", cpu_attention="native")
 
 
 def test_flash_on_cpu_really_splits():
