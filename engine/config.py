@@ -124,7 +124,8 @@ class BackendConfig(_Section):
                            "int4 = bf16 plus int4 layers and the int8 LM head for decode")
     cpu_attention: CpuAttention = Field(
         "auto", description="CPU attention: native = decode through the C++ paged kernel built for this CPU, "
-                            "prefill through torch SDPA; fused = torch SDPA for both; auto = native where the "
+                            "prefill through the C++ bf16 kernel on AVX512-BF16 CPUs with bf16 pages (else torch "
+                            "SDPA); fused = torch SDPA for both; auto = native where the "
                             "kernel builds and takes the cache (float32/bf16 pages), else fused; reference = "
                             "the paged oracle")
     prefill_prefix: PrefillPrefix = Field(

@@ -16,7 +16,8 @@ On the CPU `[backend] cpu_attention` picks:
 "fused" runs prefill through torch SDPA and "standard" / "flash" decode as one exact pass
 (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the result is
 the same softmax); "native" decodes through the C++ paged kernel instead (`kernels.native`, built
-for this CPU when the cache is allocated; its splits are merged exactly too); "auto" (default) is
+for this CPU when the cache is allocated; its splits are merged exactly too), and prefills through
+the C++ bf16 kernel where the pages are bf16 and the CPU has AVX512-BF16; "auto" (default) is
 native where the kernel builds and takes the pages, else fused, and logs why. "fdpp" keeps its
 unified-max reference, whose arithmetic differs. "reference" runs the torch reference of every
 algorithm (split and merge, unified max). `backend.name` says exactly which.
@@ -63,6 +64,8 @@ from kernels.attention.prefix import (
 from kernels.native.build import NativeBuildError
 from kernels.native.paged_decode import NativeDecodePlan, isa, paged_decode_attention, plan_native_decode
 from kernels.native.paged_decode import unsupported as native_unsupported
+from kernels.native.paged_prefill import paged_prefill_attention
+from kernels.native.paged_prefill import unsupported as native_prefill_unsupported
 from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 
 if TYPE_CHECKING:
@@ -149,6 +152,7 @@ class DenseBackend(AttentionBackend):
         self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
         self.cpu_attention = cpu_attention
         self.cpu_native = False                  # decode through kernels.native (`allocate` decides)
+        self.cpu_native_prefill = False          # prefill through kernels.native (bf16, AVX512-BF16 CPUs)
         if self.variant == "fdpp" and cpu_attention == "native":
             raise ValueError('[backend] cpu_attention = "native" decodes with the exact softmax; '
                              '[flashdecoding] async_softmax = true has its own arithmetic (use "auto" or "fused")')
@@ -229,6 +233,14 @@ class DenseBackend(AttentionBackend):
             native_text = f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}"
             self.name = self.name.replace(self._decode_text, native_text, 1)
             self._decode_text = native_text
+            prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                                        spec.dtype, spec.kv_dtype)
+            if prefill_reason is None:
+                self.cpu_native_prefill = True
+                self.name = self.name.replace("prefill: torch SDPA (cpu)",
+                                              "prefill: C++ paged kernel (cpu, AVX512-BF16)", 1)
+            else:
+                logger.info("CPU prefill through torch SDPA: %s", prefill_reason)
         elif self.cpu_attention == "native":
             raise ValueError(f'[backend] cpu_attention = "native": the C++ decode kernel cannot run here: {reason}')
         else:
@@ -334,6 +346,9 @@ class DenseBackend(AttentionBackend):
                                      max_query_len=metadata.max_query_len, config=config,
                                      seed=self._prefix_seed(q, k_cache, v_cache, metadata, scale, config),
                                      **self._scales(layer_idx))
+        if self.cpu_native_prefill:
+            return paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                           metadata.query_start_loc, scale=scale)
         if self.cpu_fused:
             return cpu.prefill_attention_cpu(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                              metadata.query_start_loc, scale=scale, **self._scales(layer_idx))

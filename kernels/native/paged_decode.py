@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from kernels.native.build import FLAGS, load
+from kernels.native.pages import host_tables
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Tokens a split covers at least, and the items per thread aimed at (dynamic scheduling evens them out).
@@ -89,16 +90,9 @@ def plan_native_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_h
                        num_threads: int | None = None) -> NativeDecodePlan:
     """The step's `NativeDecodePlan` (host tensors; `num_threads` defaults to torch's). Every block id a
     sequence's length reaches must lie in [0, num_blocks): the kernel reads the pages they name."""
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables, lens = host_tables(block_tables, seq_lens, block_size, num_blocks, "paged_decode_attention")
     batch = lens.shape[0]
     max_len = int(lens.max()) if batch else 0
-    if max_len > tables.shape[1] * block_size or (batch and int(lens.min()) < 0):
-        raise ValueError(f"paged_decode_attention: seq_lens in [{int(lens.min())}, {max_len}] over block tables "
-                         f"of {tables.shape[1]} blocks of {block_size}")
-    used = torch.arange(tables.shape[1])[None, :] < ((lens + block_size - 1) // block_size)[:, None]
-    if bool((((tables < 0) | (tables >= num_blocks)) & used).any()):
-        raise ValueError(f"paged_decode_attention: a block table names a block outside [0, {num_blocks})")
     threads = num_threads or torch.get_num_threads()
     splits = num_splits(batch, num_kv_heads, max_len, threads)
     work = torch.empty(batch * num_kv_heads * splits * (num_heads // num_kv_heads) * (head_dim + 2)

@@ -14,8 +14,9 @@ from engine.attention.select import make_attention_backend
 from engine.config import FlashDecodingConfig
 from engine.tools.calibration import calibrate
 from kernels import decode_reference
-from kernels.attention.reference import decode_attention_ref
+from kernels.attention.reference import decode_attention_ref, prefill_attention_ref
 from kernels.native.paged_decode import isa
+from kernels.native.paged_prefill import library as prefill_library
 from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
 
 CPU = torch.device("cpu")
@@ -81,6 +82,23 @@ def test_native_cpu_decode_is_chosen_when_the_cache_is_allocated(settings, title
     out = run_decode(backend, inputs)
     expected = decode_attention_ref(*(t.double() if t.is_floating_point() else t for t in inputs), scale=0.25)
     assert (out.double() - expected).norm() / expected.norm() < 1e-5
+
+
+@pytest.mark.skipif(not prefill_library().paged_prefill_available(), reason="the CPU has no AVX512-BF16")
+def test_native_cpu_prefill_runs_on_bf16_pages():
+    q, k, v, tables, lens = decode_inputs(dim=64)
+    k, v = k.bfloat16(), v.bfloat16()
+    starts = torch.tensor([0, 100, 145, 146], dtype=torch.int32)   # chunks after cached prefixes, one decode row
+    q = torch.randn(146, q.shape[1], 64).bfloat16()
+    backend = make_attention_backend(FlashDecodingConfig(), CPU, "cpu")
+    backend.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
+    assert "prefill: C++ paged kernel (cpu, AVX512-BF16)" in backend.name
+    out = backend.prefill(0, q, k, v, kernel_metadata(tables, lens, starts), scale=0.125)
+    expected = prefill_attention_ref(q.double(), k.double(), v.double(), tables, lens, starts, scale=0.125)
+    assert float((out.double() - expected).norm() / expected.norm()) < 3e-3
+    fused = make_attention_backend(FlashDecodingConfig(), CPU, "cpu", cpu_attention="fused")
+    fused.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
+    assert "prefill: torch SDPA (cpu)" in fused.name
 
 
 def test_native_cpu_decode_says_what_it_cannot_take():
