@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, overload
@@ -27,6 +28,8 @@ from engine.distributed.group import all_gather, all_reduce, tp_rank_and_size
 from engine.model.checkpoint_slice import CheckpointTensor, in_memory
 from engine.model.rope import cos_sin_tables
 from kernels import fused
+from kernels.native import rms_norm as native_rms_norm
+from kernels.native.build import NativeBuildError
 
 if TYPE_CHECKING:
     from engine.config import FlashDecodingConfig
@@ -195,10 +198,23 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps)
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if native_rms_norm.takes(x, self.weight) and _native_norm_builds():   # bf16 on a CPU: one C++ call
+            return native_rms_norm.rms_norm_bf16(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+@functools.cache
+def _native_norm_builds() -> bool:
+    """Whether the C++ RMSNorm builds here (once); if not, the torch form runs and the log says why."""
+    try:
+        native_rms_norm.library()
+    except NativeBuildError as exc:
+        logger.warning("RMSNorm on the CPU through torch ops: the C++ kernel does not build (%s)", exc)
+        return False
+    return True
 
 
 class SiluAndMul(nn.Module):
