@@ -17,7 +17,8 @@ On the CPU `[backend] cpu_attention` picks:
 (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the result is
 the same softmax); "native" decodes through the C++ paged kernel instead (`kernels.native`, built
 for this CPU when the cache is allocated; its splits are merged exactly too), and prefills through
-the C++ bf16 kernel where the pages are bf16 and the CPU has AVX512-BF16; "auto" (default) is
+the C++ bf16 kernel where the pages are bf16 and the CPU has AVX512-BF16, and for a bf16 model sets
+`fuse_rope_store` (RoPE and the KV store as one C++ call); "auto" (default) is
 native where the kernel builds and takes the pages, else fused, and logs why. "fdpp" keeps its
 unified-max reference, whose arithmetic differs. "reference" runs the torch reference of every
 algorithm (split and merge, unified max). `backend.name` says exactly which.
@@ -61,6 +62,7 @@ from kernels.attention.prefix import (
     prefix_spans,
     warm_up_cudnn,
 )
+from kernels.native import rope_store as native_rope
 from kernels.native.build import NativeBuildError
 from kernels.native.paged_decode import NativeDecodePlan, isa, paged_decode_attention, plan_native_decode
 from kernels.native.paged_decode import unsupported as native_unsupported
@@ -135,6 +137,16 @@ def phi_source(fd: FlashDecodingConfig, calibration_path: str | None) -> tuple[P
         return calibrated, f"φ per layer from {path} ({len(phis)} layers)"
     value = float(fixed)
     return (lambda layer_idx: value), f"φ forced to {value:g}"
+
+
+def _native_rope_builds() -> bool:
+    """Whether the C++ RoPE + KV store builds here; if not, RoPE and the store stay torch ops (logged)."""
+    try:
+        native_rope.library()
+    except NativeBuildError as exc:
+        logger.warning("RoPE and the KV store on the CPU through torch ops: the C++ kernel does not build (%s)", exc)
+        return False
+    return True
 
 
 class DenseBackend(AttentionBackend):
@@ -233,6 +245,10 @@ class DenseBackend(AttentionBackend):
             native_text = f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}"
             self.name = self.name.replace(self._decode_text, native_text, 1)
             self._decode_text = native_text
+            if spec.dtype == spec.kv_dtype == torch.bfloat16 and _native_rope_builds():
+                self.fuse_rope_store = True      # RotaryEmbedding.rotate_and_store: one C++ call on the CPU
+                self.name = self.name.replace("kv store: torch index copy (cpu)",
+                                              "kv store: C++, fused with RoPE (cpu)", 1)
             prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                                         spec.dtype, spec.kv_dtype)
             if prefill_reason is None:

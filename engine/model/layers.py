@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, overload
@@ -28,8 +27,8 @@ from engine.distributed.group import all_gather, all_reduce, tp_rank_and_size
 from engine.model.checkpoint_slice import CheckpointTensor, in_memory
 from engine.model.rope import cos_sin_tables
 from kernels import fused
-from kernels.native import rms_norm as native_rms_norm
-from kernels.native.build import NativeBuildError
+from kernels.attention.reference import store_kv_ref
+from kernels.native import rope_store as native_rope
 
 if TYPE_CHECKING:
     from engine.config import FlashDecodingConfig
@@ -198,23 +197,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps)
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if native_rms_norm.takes(x, self.weight) and _native_norm_builds():   # bf16 on a CPU: one C++ call
-            return native_rms_norm.rms_norm_bf16(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
-
-
-@functools.cache
-def _native_norm_builds() -> bool:
-    """Whether the C++ RMSNorm builds here (once); if not, the torch form runs and the log says why."""
-    try:
-        native_rms_norm.library()
-    except NativeBuildError as exc:
-        logger.warning("RMSNorm on the CPU through torch ops: the C++ kernel does not build (%s)", exc)
-        return False
-    return True
 
 
 class SiluAndMul(nn.Module):
@@ -302,7 +288,17 @@ class RotaryEmbedding(nn.Module):
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The rotated q; rotated k and v written into the paged caches at slot_mapping (GPU, one
-        launch: kernels/fused.py); FP8 caches with their per-head scales."""
+        launch: kernels/fused.py; FP8 caches with their per-head scales). On the CPU one C++ call for
+        bf16 rows and pages (kernels/native/rope_store.py), else the rotation and the store in torch."""
+        if not q.is_cuda:
+            if k_scale is None and native_rope.takes(q, k, v, k_cache, v_cache, self.cos_cache, self.sin_cache):
+                return native_rope.rope_store_bf16(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
+                                                   self.rotary_dim, k_cache, v_cache, slot_mapping)
+            q, k = self(positions, q, k)
+            shape = (q.shape[0], -1, self.head_dim)
+            store_kv_ref(k.reshape(shape), v.reshape(shape), k_cache, v_cache, slot_mapping, k_scale=k_scale,
+                         v_scale=v_scale)
+            return q
         return fused.rotary_embedding_and_store(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
                                                 self.rotary_dim, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

@@ -25,6 +25,13 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 
 inline vf splat(float x) { return vf{} + x; }
 
+inline float widen(uint16_t h) {   // bfloat16 -> float32
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 inline vf load_row(const float *p) {
     vf v;
     std::memcpy(&v, p, sizeof v);
@@ -197,16 +204,22 @@ void attend_range(HeadState st, const T *k_cache, const T *v_cache, const int32_
     attend_range_fixed<T, 0, 0>(st, k_cache, v_cache, block_table, begin, end, block_size, token_stride, group, dim);
 }
 
+inline uint16_t round_bf16(float f) {   // to nearest, ties to even (outputs are finite)
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 template <typename T>
 void paged_decode(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,
                   int64_t block_table_stride, const int32_t *seq_lens, int batch, int num_heads,
                   int num_kv_heads, int dim, int block_size, int splits, int num_threads, float *work,
-                  float *out) {
+                  void *out, bool out_bf16) {
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
     const int64_t head_floats = (int64_t)group * (dim + 2);   // a work item's max[G], sum[G], acc[G, D]
     const int64_t items = (int64_t)batch * num_kv_heads * splits;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t item = 0; item < items; ++item) {
         const int split = (int)(item % splits);
         const int h = (int)(item / splits % num_kv_heads);
@@ -221,22 +234,26 @@ void paged_decode(const float *q, const T *k_cache, const T *v_cache, const int3
     for (int b = 0; b < batch; ++b)
         for (int h = 0; h < num_kv_heads; ++h)
             for (int g = 0; g < group; ++g) {
-                float *o = out + ((int64_t)b * num_heads + (int64_t)h * group + g) * dim;
+                float o[MAX_DIM];
                 const float *first = work + ((int64_t)b * num_kv_heads + h) * splits * head_floats;
                 float m = -std::numeric_limits<float>::infinity();
                 for (int s = 0; s < splits; ++s) m = std::fmax(m, first[s * head_floats + g]);
                 for (int d = 0; d < dim; ++d) o[d] = 0.0f;
-                if (m == -std::numeric_limits<float>::infinity()) continue;
                 float total = 0.0f;
                 for (int s = 0; s < splits; ++s) {
                     const float *w = first + s * head_floats;
+                    if (w[g] == -std::numeric_limits<float>::infinity()) continue;   // a split with no tokens
                     const float weight = std::exp(w[g] - m);
                     total += weight * w[group + g];
                     const float *acc = w + 2 * group + g * dim;
                     for (int d = 0; d < dim; ++d) o[d] += weight * acc[d];
                 }
-                const float inv = 1.0f / total;
-                for (int d = 0; d < dim; ++d) o[d] *= inv;
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;   // no tokens at all: zeros
+                const int64_t row = ((int64_t)b * num_heads + (int64_t)h * group + g) * dim;
+                if (out_bf16)
+                    for (int d = 0; d < dim; ++d) ((uint16_t *)out)[row + d] = round_bf16(o[d] * inv);
+                else
+                    for (int d = 0; d < dim; ++d) ((float *)out)[row + d] = o[d] * inv;
             }
 }
 
@@ -262,24 +279,30 @@ int paged_decode_max_group() { return MAX_GROUP; }
 int paged_decode_max_dim() { return MAX_DIM; }
 int paged_decode_dim_multiple() { return W; }
 
-// q [batch, num_heads, dim] float32; caches [blocks, block_size, num_kv_heads, dim] (dtype_code 0 =
-// float32, 1 = bfloat16); block_tables int32 rows of block_table_stride; seq_lens int32 [batch];
-// work float32 [batch * splits * num_kv_heads * group * (dim + 2) + batch * num_heads * dim]; out [batch, num_heads, dim] float32.
-void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int dtype_code,
+// q and out [batch, num_heads, dim] contiguous, float32 (q_bf16 = 0) or bfloat16 (1); caches [blocks,
+// block_size, num_kv_heads, dim] (dtype_code 0 = float32, 1 = bfloat16); block_tables int32 rows of
+// block_table_stride; seq_lens int32 [batch]; work float32 [batch * splits * num_kv_heads * group *
+// (dim + 2) + batch * num_heads * dim].
+void paged_decode_attention(const void *q, int q_bf16, const void *k_cache, const void *v_cache, int dtype_code,
                             const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                             int batch, int num_heads, int num_kv_heads, int dim, int block_size, float scale,
-                            int splits, int num_threads, float *work, float *out) {
-    // The scale is folded into a copy of q (at the end of work): scores come out scaled.
+                            int splits, int num_threads, float *work, void *out) {
+    // The scale is folded into a float32 copy of q (at the end of work): scores come out scaled.
     const int64_t group = num_heads / num_kv_heads;
     float *q_scaled = work + (int64_t)batch * splits * num_kv_heads * group * (dim + 2);
-    for (int64_t i = 0; i < (int64_t)batch * num_heads * dim; ++i) q_scaled[i] = q[i] * scale;
+    const int64_t q_size = (int64_t)batch * num_heads * dim;
+    if (q_bf16)
+        for (int64_t i = 0; i < q_size; ++i) q_scaled[i] = widen(((const uint16_t *)q)[i]) * scale;
+    else
+        for (int64_t i = 0; i < q_size; ++i) q_scaled[i] = ((const float *)q)[i] * scale;
     if (dtype_code == 1)
         paged_decode(q_scaled, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables,
                      block_table_stride, seq_lens, batch, num_heads, num_kv_heads, dim, block_size, splits,
-                     num_threads, work, out);
+                     num_threads, work, out, q_bf16 != 0);
     else
         paged_decode(q_scaled, (const float *)k_cache, (const float *)v_cache, block_tables, block_table_stride,
-                     seq_lens, batch, num_heads, num_kv_heads, dim, block_size, splits, num_threads, work, out);
+                     seq_lens, batch, num_heads, num_kv_heads, dim, block_size, splits, num_threads, work, out,
+                     q_bf16 != 0);
 }
 
 }  // extern "C"

@@ -93,12 +93,13 @@ def test_native_cpu_prefill_runs_on_bf16_pages():
     backend = make_attention_backend(FlashDecodingConfig(), CPU, "cpu")
     backend.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
     assert "prefill: C++ paged kernel (cpu, AVX512-BF16)" in backend.name
+    assert backend.fuse_rope_store and "kv store: C++, fused with RoPE (cpu)" in backend.name
     out = backend.prefill(0, q, k, v, kernel_metadata(tables, lens, starts), scale=0.125)
     expected = prefill_attention_ref(q.double(), k.double(), v.double(), tables, lens, starts, scale=0.125)
     assert float((out.double() - expected).norm() / expected.norm()) < 3e-3
     fused = make_attention_backend(FlashDecodingConfig(), CPU, "cpu", cpu_attention="fused")
     fused.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
-    assert "prefill: torch SDPA (cpu)" in fused.name
+    assert "prefill: torch SDPA (cpu)" in fused.name and not fused.fuse_rope_store
 
 
 def test_native_cpu_decode_says_what_it_cannot_take():

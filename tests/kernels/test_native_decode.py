@@ -107,3 +107,11 @@ def test_bad_inputs_are_refused():
     plan = plan_native_decode(tables, lens, 4, 2, 64, 16, k.shape[0])
     with pytest.raises(ValueError, match="plan"):
         paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], scale=0.1, plan=plan)
+
+
+def test_bf16_queries_give_the_rounded_float32_rows():
+    q, k, v, tables, lens = paged_inputs([5, 300, 2100], 9, 3, 64, 16, torch.bfloat16, seed=11)
+    q16 = q.bfloat16()
+    out = paged_decode_attention(q16, k, v, tables, lens, scale=0.125)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, paged_decode_attention(q16.float(), k, v, tables, lens, scale=0.125).bfloat16())

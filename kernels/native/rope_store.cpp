@@ -1,0 +1,65 @@
+// RoPE on bf16 q and k (GPT-NeoX halves) and the K/V store into bf16 pages, in one call: what torch runs
+// on the CPU as a dozen small ops a layer. Same roundings as the torch form: float32 products and sum,
+// one rounding to bf16.
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float widen(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t round_bf16(float f) {   // to nearest, ties to even (inputs are finite)
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One head of one token: the first `rotary_dim` features rotated (x1 c - x2 s, x2 c + x1 s), the rest copied.
+inline void rotate_head(const uint16_t *x, uint16_t *out, const float *cos, const float *sin, int head_dim,
+                        int rotary_dim) {
+    const int half = rotary_dim / 2;
+    for (int i = 0; i < half; ++i) {
+        const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+        const volatile float a = x1 * cos[i], b = x2 * -sin[i];   // no fused multiply-add: torch rounds each product
+        const volatile float c = x2 * cos[i], d = x1 * sin[i];
+        out[i] = round_bf16(a + b);
+        out[i + half] = round_bf16(c + d);
+    }
+    for (int i = rotary_dim; i < head_dim; ++i) out[i] = x[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [T, Hq*D], k and v [T, Hkv*D] bf16 rows of `row_stride` elements (views into one projection);
+// cos/sin float32 [max_position, rotary_dim / 2]; positions, slots int64 [T] (slot -1: not stored);
+// caches [blocks * block_size, Hkv, D] bf16; q_out [T, Hq*D] contiguous.
+void rope_store_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
+                     const float *cos_cache, const float *sin_cache, const int64_t *positions, const int64_t *slots,
+                     uint16_t *k_cache, uint16_t *v_cache, uint16_t *q_out, int64_t tokens, int num_heads,
+                     int num_kv_heads, int head_dim, int rotary_dim, int num_threads) {
+    const int half = rotary_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *cos = cos_cache + positions[t] * half;
+        const float *sin = sin_cache + positions[t] * half;
+        for (int h = 0; h < num_heads; ++h)
+            rotate_head(q + t * row_stride + h * head_dim, q_out + (t * num_heads + h) * head_dim, cos, sin, head_dim,
+                        rotary_dim);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t row = slot * num_kv_heads * head_dim;
+        for (int h = 0; h < num_kv_heads; ++h)
+            rotate_head(k + t * row_stride + h * head_dim, k_cache + row + h * head_dim, cos, sin, head_dim,
+                        rotary_dim);
+        std::memcpy(v_cache + row, v + t * row_stride, sizeof(uint16_t) * num_kv_heads * head_dim);
+    }
+}
+
+}  // extern "C"
