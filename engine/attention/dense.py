@@ -210,10 +210,13 @@ class DenseBackend(AttentionBackend):
         decode_text = f"{where}: {TITLES[self.variant]} ({', '.join(details)})"
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
-        self._decode_text = decode_text
         prefill_text = "torch SDPA (cpu)" if self.cpu_fused else where
         store_text = f"{where}, fused with RoPE" if on_gpu else ("torch index copy (cpu)" if self.cpu_fused else where)
-        self.name = f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
+        self.name = self._name(decode_text, prefill_text, store_text)
+
+    @staticmethod
+    def _name(decode_text: str, prefill_text: str, store_text: str) -> str:
+        return f"{decode_text}; prefill: {prefill_text}; kv store: {store_text}"
 
     def allocate(self, spec: KVCacheSpec, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.spec = spec
@@ -242,21 +245,17 @@ class DenseBackend(AttentionBackend):
             reason = str(exc)
         if reason is None:
             self.cpu_native = True
-            native_text = f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}"
-            self.name = self.name.replace(self._decode_text, native_text, 1)
-            self._decode_text = native_text
             if spec.dtype == spec.kv_dtype == torch.bfloat16 and _native_rope_builds():
                 self.fuse_rope_store = True      # RotaryEmbedding.rotate_and_store: one C++ call on the CPU
-                self.name = self.name.replace("kv store: torch index copy (cpu)",
-                                              "kv store: C++, fused with RoPE (cpu)", 1)
             prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                                         spec.dtype, spec.kv_dtype)
-            if prefill_reason is None:
-                self.cpu_native_prefill = True
-                self.name = self.name.replace("prefill: torch SDPA (cpu)",
-                                              "prefill: C++ paged kernel (cpu, AVX512-BF16)", 1)
-            else:
+            self.cpu_native_prefill = prefill_reason is None
+            if prefill_reason is not None:
                 logger.info("CPU prefill through torch SDPA: %s", prefill_reason)
+            self.name = self._name(
+                f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}",
+                "C++ paged kernel (cpu, AVX512-BF16)" if self.cpu_native_prefill else "torch SDPA (cpu)",
+                "C++, fused with RoPE (cpu)" if self.fuse_rope_store else "torch index copy (cpu)")
         elif self.cpu_attention == "native":
             raise ValueError(f'[backend] cpu_attention = "native": the C++ decode kernel cannot run here: {reason}')
         else:

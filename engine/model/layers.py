@@ -243,6 +243,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
         # `_step_tables`: (positions, cos, sin, the cos_cache they came from)
         self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the step's (positions, slot_mapping) the C++ RoPE + store has checked (held, so never a stale match)
+        self._checked_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x[T, H*D] -> same shape, first rotary_dim features of each head rotated.
@@ -292,8 +294,13 @@ class RotaryEmbedding(nn.Module):
         bf16 rows and pages (kernels/native/rope_store.py), else the rotation and the store in torch."""
         if not q.is_cuda:
             if k_scale is None and native_rope.takes(q, k, v, k_cache, v_cache, self.cos_cache, self.sin_cache):
+                checked = self._checked_rows   # every layer of a step passes the same positions and slots
+                if checked is None or checked[0] is not positions or checked[1] is not slot_mapping:
+                    native_rope.check_rows(positions, slot_mapping, self.cos_cache.shape[0],
+                                           k_cache.shape[0] * k_cache.shape[1])
+                    self._checked_rows = (positions, slot_mapping)
                 return native_rope.rope_store_bf16(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
-                                                   self.rotary_dim, k_cache, v_cache, slot_mapping)
+                                                   self.rotary_dim, k_cache, v_cache, slot_mapping, rows_checked=True)
             q, k = self(positions, q, k)
             shape = (q.shape[0], -1, self.head_dim)
             store_kv_ref(k.reshape(shape), v.reshape(shape), k_cache, v_cache, slot_mapping, k_scale=k_scale,

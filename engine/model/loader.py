@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from engine.config import RopeScaling
-from engine.model.cache_dir import cache_root
 from engine.model.causal_lm import CausalLM
 from engine.model.checkpoint_slice import CheckpointSlice
 from engine.model.synthetic import build_synthetic_model, synthetic_marker, synthetic_model_dir
+from kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.model.cache_dir import cache_root
 from engine.model.causal_lm import CausalLM
+from kernels.cache_dir import cache_root
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

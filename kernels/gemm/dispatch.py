@@ -11,7 +11,6 @@ CUDA graphs the lookup happens at capture time.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.cache_dir import cache_root
 from kernels.gemm.matmul import GEMV_MAX_M, MatmulConfig, flat_gemm, gemv
 
 IMPLS = ("gemv", "flat", "cublas")
@@ -82,8 +82,7 @@ class MatmulTable:
 
 def default_table_path(gpu_name: str) -> Path:
     """`$FDSERVE_CACHE_DIR` (default ~/.cache/fdserve) / matmul_table-<gpu name>.json."""
-    root = Path(os.environ.get("FDSERVE_CACHE_DIR") or Path.home() / ".cache" / "fdserve")
-    return root / f"matmul_table-{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu_name)}.json"
+    return cache_root() / f"matmul_table-{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu_name)}.json"
 
 
 def shipped_table_path(gpu_name: str) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kernels.cache_dir import cache_root
 from kernels.vendor import detect_vendor
 
 IMPLS = ("gemv", "gemm", "pairs")
@@ -120,8 +120,7 @@ def table_file_name(gpu_name: str) -> str:
 
 def default_table_path(gpu_name: str) -> Path:
     """Where `fdserve tune --moe` writes: `$FDSERVE_CACHE_DIR` (default ~/.cache/fdserve)."""
-    root = Path(os.environ.get("FDSERVE_CACHE_DIR") or Path.home() / ".cache" / "fdserve")
-    return root / table_file_name(gpu_name)
+    return cache_root() / table_file_name(gpu_name)
 
 
 def find_table_path(gpu_name: str) -> Path:

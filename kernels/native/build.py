@@ -18,6 +18,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from kernels.cache_dir import cache_root
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
@@ -44,23 +46,31 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    root = Path(os.environ.get("FDSERVE_CACHE_DIR") or Path.home() / ".cache" / "fdserve").expanduser()
-    return root / "native"
+    return cache_root() / "native"
+
+
+@cache
+def _compiler_identity() -> tuple[str, str]:
+    """(compiler, its --version text), asked once per process."""
+    cxx = compiler()
+    return cxx, subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 
 
 def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """The shared library compiled from `source` with `flags` (cached; built if missing)."""
-    cxx = compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), cxx, version, *flags, _cpu_signature()]).encode())
+    """The shared library compiled from `source` with `flags` (cached; built if missing). The headers
+    beside the source are part of the cache key."""
+    cxx, version = _compiler_identity()
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cxx, version, *flags,
+                                    _cpu_signature()]).encode())
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([cxx, *flags, str(source), "-o", str(built)], capture_output=True, text=True,
-                                check=False)
+        result = subprocess.run([cxx, *flags, f"-I{source.parent}", str(source), "-o", str(built)],
+                                capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NativeBuildError(f"{cxx} failed to build {source.name}:\n{result.stderr.strip()}")
         built.replace(target)   # atomic: a concurrent build leaves one whole library

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <limits>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int W = 16;                    // floats a vector
@@ -25,12 +27,6 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 
 inline vf splat(float x) { return vf{} + x; }
 
-inline float widen(uint16_t h) {   // bfloat16 -> float32
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 inline vf load_row(const float *p) {
     vf v;
@@ -204,12 +200,6 @@ void attend_range(HeadState st, const T *k_cache, const T *v_cache, const int32_
     attend_range_fixed<T, 0, 0>(st, k_cache, v_cache, block_table, begin, end, block_size, token_stride, group, dim);
 }
 
-inline uint16_t round_bf16(float f) {   // to nearest, ties to even (outputs are finite)
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 template <typename T>
 void paged_decode(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,
                   int64_t block_table_stride, const int32_t *seq_lens, int batch, int num_heads,
@@ -251,7 +241,7 @@ void paged_decode(const float *q, const T *k_cache, const T *v_cache, const int3
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;   // no tokens at all: zeros
                 const int64_t row = ((int64_t)b * num_heads + (int64_t)h * group + g) * dim;
                 if (out_bf16)
-                    for (int d = 0; d < dim; ++d) ((uint16_t *)out)[row + d] = round_bf16(o[d] * inv);
+                    for (int d = 0; d < dim; ++d) ((uint16_t *)out)[row + d] = bf16::round(o[d] * inv);
                 else
                     for (int d = 0; d < dim; ++d) ((float *)out)[row + d] = o[d] * inv;
             }
@@ -292,7 +282,7 @@ void paged_decode_attention(const void *q, int q_bf16, const void *k_cache, cons
     float *q_scaled = work + (int64_t)batch * splits * num_kv_heads * group * (dim + 2);
     const int64_t q_size = (int64_t)batch * num_heads * dim;
     if (q_bf16)
-        for (int64_t i = 0; i < q_size; ++i) q_scaled[i] = widen(((const uint16_t *)q)[i]) * scale;
+        for (int64_t i = 0; i < q_size; ++i) q_scaled[i] = bf16::widen(((const uint16_t *)q)[i]) * scale;
     else
         for (int64_t i = 0; i < q_size; ++i) q_scaled[i] = ((const float *)q)[i] * scale;
     if (dtype_code == 1)

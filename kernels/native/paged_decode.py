@@ -57,9 +57,14 @@ def limits() -> Limits:
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> str | None:
     """Why the kernel cannot take these shapes, or None when it can."""
-    lim = limits()
     if kv_dtype not in DTYPE_CODES:
         return f"pages of {kv_dtype} (float32 and bfloat16 only)"
+    return _shape_unsupported(num_heads, num_kv_heads, head_dim)
+
+
+def _shape_unsupported(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the compiled kernel cannot take these head shapes, or None."""
+    lim = limits()
     if num_heads % num_kv_heads or num_heads // num_kv_heads > lim.max_group:
         return f"{num_heads} query heads over {num_kv_heads} KV heads (groups of at most {lim.max_group})"
     if head_dim % lim.dim_multiple or head_dim > lim.max_dim:
@@ -96,13 +101,9 @@ def plan_native_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_h
                        num_threads: int | None = None) -> NativeDecodePlan:
     """The step's `NativeDecodePlan` (host tensors; `num_threads` defaults to torch's). Every block id a
     sequence's length reaches must lie in [0, num_blocks): the kernel reads the pages they name."""
-    lim = limits()
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > lim.max_group:
-        raise ValueError(f"paged_decode_attention: {num_heads} query heads over {num_kv_heads} KV heads "
-                         f"(groups of at most {lim.max_group})")
-    if head_dim % lim.dim_multiple or head_dim > lim.max_dim:
-        raise ValueError(f"paged_decode_attention: head_dim {head_dim} (a multiple of {lim.dim_multiple}, "
-                         f"at most {lim.max_dim})")
+    reason = _shape_unsupported(num_heads, num_kv_heads, head_dim)
+    if reason is not None:
+        raise ValueError(f"paged_decode_attention: {reason}")
     tables, lens = host_tables(block_tables, seq_lens, block_size, num_blocks, "paged_decode_attention")
     batch = lens.shape[0]
     max_len = int(lens.max()) if batch else 0

@@ -4,31 +4,20 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
-
-inline float widen(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t round_bf16(float f) {   // to nearest, ties to even (inputs are finite)
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // One head of one token: the first `rotary_dim` features rotated (x1 c - x2 s, x2 c + x1 s), the rest copied.
 inline void rotate_head(const uint16_t *x, uint16_t *out, const float *cos, const float *sin, int head_dim,
                         int rotary_dim) {
     const int half = rotary_dim / 2;
     for (int i = 0; i < half; ++i) {
-        const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+        const float x1 = bf16::widen(x[i]), x2 = bf16::widen(x[i + half]);
         const volatile float a = x1 * cos[i], b = x2 * -sin[i];   // no fused multiply-add: torch rounds each product
         const volatile float c = x2 * cos[i], d = x1 * sin[i];
-        out[i] = round_bf16(a + b);
-        out[i + half] = round_bf16(c + d);
+        out[i] = bf16::round(a + b);
+        out[i + half] = bf16::round(c + d);
     }
     for (int i = rotary_dim; i < head_dim; ++i) out[i] = x[i];
 }

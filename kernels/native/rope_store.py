@@ -36,11 +36,21 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tens
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos_cache, sin_cache)))
 
 
+def check_rows(positions: torch.Tensor, slot_mapping: torch.Tensor, max_position: int, num_slots: int) -> None:
+    """Raise ValueError unless every position has a RoPE table row and every slot lies in the pages: the
+    kernel reads and writes where they point. A step's layers share them, so a caller may check once."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_position
+                              or int(slot_mapping.max()) >= num_slots):
+        raise ValueError("rope_store_bf16: a position past the RoPE tables or a slot past the pages")
+
+
 def rope_store_bf16(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                    rows_checked: bool = False) -> torch.Tensor:
     """q[T, Hq*D], k/v[T, Hkv*D] -> rotated q [T, Hq*D]; rotated k and v written into the pages
-    [blocks, block_size, Hkv, D] at slot_mapping[T] (-1: skipped). Inputs must pass `takes`."""
+    [blocks, block_size, Hkv, D] at slot_mapping[T] (-1: skipped). Inputs must pass `takes`;
+    `rows_checked`: the caller ran `check_rows` on these positions and slots."""
     if not takes(q, k, v, k_cache, v_cache, cos_cache, sin_cache):
         raise ValueError("rope_store_bf16: bf16 CPU rows of one stride, bf16 pages and float32 tables expected")
     tokens = q.shape[0]
@@ -51,9 +61,8 @@ def rope_store_bf16(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                          f"{tuple(k_cache.shape)} with rotary_dim {rotary_dim}")
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    if tokens and (int(positions.min()) < 0 or int(positions.max()) >= cos_cache.shape[0]
-                   or int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]):
-        raise ValueError("rope_store_bf16: a position past the RoPE tables or a slot past the pages")
+    if not rows_checked:
+        check_rows(positions, slots, cos_cache.shape[0], k_cache.shape[0] * k_cache.shape[1])
     out = torch.empty(tokens, q.shape[1], dtype=q.dtype)
     library().rope_store_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), cos_cache.data_ptr(),
                               sin_cache.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),

@@ -1,4 +1,5 @@
-"""Where fdserve keeps what it derives from models (GGUF conversions, synthetic model folders)."""
+"""Where fdserve keeps what it derives on this machine (GGUF conversions, synthetic model folders, tuned
+kernel tables, compiled CPU kernels)."""
 from __future__ import annotations
 
 import os
