@@ -48,6 +48,17 @@ BS = 128
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _wsum(x, axis: tl.constexpr):
+    """int32 sum that wraps modulo 2**32 everywhere (the interpreter's tl.sum widens, then refuses)."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
 def _stream_kernel(X, OUT, n, programs, CHUNK: tl.constexpr, WORK: tl.constexpr):
     """Sum of int32 words [p * CHUNK, ...) in a grid-stride loop over X[:n] (n a multiple of CHUNK)."""
     p = tl.program_id(0)
@@ -55,7 +66,7 @@ def _stream_kernel(X, OUT, n, programs, CHUNK: tl.constexpr, WORK: tl.constexpr)
     if WORK:
         for c in range(p, n // CHUNK, programs):
             acc += tl.load(X + c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))  # type: ignore[attr-defined]  # jit: c is a tl tensor
-    tl.store(OUT + p, tl.sum(acc, 0))
+    tl.store(OUT + p, _wsum(acc, 0))
 
 
 @triton.jit
@@ -76,7 +87,7 @@ def _scan_skeleton(CODES, SCALES, BT, OUT, stride_bt, nblk, NUM_KV_HEADS: tl.con
             acc += tl.load(CODES + base * W + tl.arange(0, W))
             acc_s += tl.load(SCALES + base * D + tl.arange(0, D))
     row = b * NUM_KV_HEADS + hk
-    tl.store(OUT + row * programs + p, tl.sum(acc, 0) + tl.sum(acc_s, 0))
+    tl.store(OUT + row * programs + p, _wsum(acc, 0) + _wsum(acc_s, 0))
 
 
 @triton.jit
@@ -88,10 +99,10 @@ def _block_words(CODES, RES, V, page, hk, stride_vb, stride_vt, stride_vh, keep,
     toks = tl.arange(0, BS)
     cols = tl.arange(0, D // 2)
     on = toks[:, None] * 0 + keep.to(tl.int32) != 0    # [BS, 1]: the scalar decision as a tile mask
-    c = tl.sum(tl.load(CODES + base * W + tl.arange(0, W)), 0)
+    c = _wsum(tl.load(CODES + base * W + tl.arange(0, W)), 0)
     r = tl.load(RES + (base * BS + toks[:, None]) * (D // 4) + tl.arange(0, D // 4)[None, :], mask=on, other=0)
     v = tl.load(V + page * stride_vb + toks[:, None] * stride_vt + hk * stride_vh + cols[None, :], mask=on, other=0)
-    return tl.where(cols == 0, c + tl.sum(tl.sum(r, 1), 0), 0), v
+    return tl.where(cols == 0, c + _wsum(_wsum(r, 1), 0), 0), v
 
 
 @triton.jit
@@ -118,7 +129,7 @@ def _attend_skeleton(CODES, RES, V, KEPT, KEPT_START, PART, stride_vb, stride_vt
                                  BS, D)
             acc += v
             acc_cr += cr
-    tl.store(PART + (row * splits + split) * (D // 2) + tl.arange(0, D // 2), tl.sum(acc, 0) + acc_cr)
+    tl.store(PART + (row * splits + split) * (D // 2) + tl.arange(0, D // 2), _wsum(acc, 0) + acc_cr)
 
 
 @triton.jit
@@ -147,7 +158,7 @@ def _fused_skeleton(CODES, SCALES, RES, V, BT, KEEP, PART, stride_bt, stride_vb,
             acc_cr += cr
     cols = tl.arange(0, D // 2)
     tl.store(PART + (row * programs + p) * (D // 2) + cols,
-             tl.sum(acc, 0) + acc_cr + tl.where(cols == 0, tl.sum(acc_s, 0), 0))
+             _wsum(acc, 0) + acc_cr + tl.where(cols == 0, _wsum(acc_s, 0), 0))
 
 
 @triton.jit
@@ -163,7 +174,7 @@ def _merge_skeleton(PART, OUT, splits, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl
     if WORK:
         part = tl.load(PART + (row * splits + s[:, None]) * (D // 2) + tl.arange(0, D // 2)[None, :],
                        mask=(s < splits)[:, None], other=0)
-    tl.store(OUT + (b * NUM_HEADS + h) * (D // 2) + tl.arange(0, D // 2), tl.sum(part, 0))
+    tl.store(OUT + (b * NUM_HEADS + h) * (D // 2) + tl.arange(0, D // 2), _wsum(part, 0))
 
 
 def int32_view(x: torch.Tensor) -> torch.Tensor:

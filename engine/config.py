@@ -100,6 +100,7 @@ class FlashDecodingConfig(_Section):
 
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
 CpuAttention = Literal["auto", "native", "fused", "reference"]
+CpuMatmul = Literal["auto", "native", "torch"]
 PrefillPrefix = Literal["auto", "kernel"]
 KvCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
 
@@ -122,6 +123,10 @@ class BackendConfig(_Section):
         "auto", description="CPU weights: auto = bfloat16 where a startup probe finds it fast, int4 decode "
                            "weights where the checkpoint is already 4-bit, an int8 LM head for decode; "
                            "int4 = bf16 plus int4 layers and the int8 LM head for decode")
+    cpu_matmul: CpuMatmul = Field(
+        "auto", description="CPU decode products of the int4 / int8 decode weights: native = the C++ kernel built "
+                            "for this CPU (AVX512-BF16); torch = torch's int4 / int8 kernels; auto = native where "
+                            "it builds, else torch, with the reason logged")
     cpu_attention: CpuAttention = Field(
         "auto", description="CPU attention: native = decode through the C++ paged kernel built for this CPU, "
                             "prefill through the C++ bf16 kernel on AVX512-BF16 CPUs with bf16 pages (else torch "

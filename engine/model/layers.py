@@ -28,6 +28,7 @@ from engine.model.checkpoint_slice import CheckpointTensor, in_memory
 from engine.model.rope import cos_sin_tables
 from kernels import fused
 from kernels.attention.reference import store_kv_ref
+from kernels.native import rms_norm as native_rms_norm
 from kernels.native import rope_store as native_rope
 
 if TYPE_CHECKING:
@@ -179,12 +180,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_param((hidden_size,), dtype, default_weight_loader)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before scaling, as transformers does, so low-precision outputs match it bit for bit.
-        return self.weight * xf.to(x.dtype)
-
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
     @overload
@@ -197,10 +192,11 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps)
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        if native_rms_norm.takes(x, self.weight):   # bf16 rows: one C++ call with the torch form's bits
+            lanes = native_rms_norm.torch_order_lanes()
+            if lanes is not None:
+                return native_rms_norm.rms_norm_bf16(x, self.weight, self.eps, residual, lanes=lanes)
+        return native_rms_norm.rms_norm_torch(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):

@@ -166,17 +166,33 @@ void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int6
 template <typename T, int GROUP, int NVEC>
 void attend_range_fixed(HeadState st, const T *k_cache, const T *v_cache, const int32_t *block_table,
                         int64_t begin, int64_t end, int block_size, int64_t token_stride, int group, int dim) {
-    const T *krow[CHUNK];
-    const T *vrow[CHUNK];
-    for (int64_t start = begin; start < end; start += CHUNK) {
+    const T *krow[2][CHUNK];
+    const T *vrow[2][CHUNK];
+    const int64_t row_bytes = (int64_t)dim * sizeof(T);
+    // A chunk's row pointers, its rows prefetched: they are scattered over pages, so a decode step that
+    // follows the weights' stream through the caches would otherwise wait on each page in turn.
+    auto rows_of = [&](int64_t start, int which) {
         const int n = (int)(end - start < CHUNK ? end - start : CHUNK);
         for (int i = 0; i < CHUNK; ++i) {   // rows past the end repeat the last one; their scores are masked
             const int64_t t = start + (i < n ? i : n - 1);
             const int64_t slot = (int64_t)block_table[t / block_size] * block_size + t % block_size;
-            krow[i] = k_cache + slot * token_stride;
-            vrow[i] = v_cache + slot * token_stride;
+            krow[which][i] = k_cache + slot * token_stride;
+            vrow[which][i] = v_cache + slot * token_stride;
+            if (i < n)
+                for (int64_t b = 0; b < row_bytes; b += 64) {
+                    __builtin_prefetch((const char *)krow[which][i] + b);
+                    __builtin_prefetch((const char *)vrow[which][i] + b);
+                }
         }
-        attend_chunk<T, GROUP, NVEC>(st, krow, vrow, 0, n, group, dim);
+        return n;
+    };
+    int which = 0;
+    int n = begin < end ? rows_of(begin, 0) : 0;
+    for (int64_t start = begin; start < end; start += CHUNK) {
+        const int next_n = start + CHUNK < end ? rows_of(start + CHUNK, which ^ 1) : 0;
+        attend_chunk<T, GROUP, NVEC>(st, krow[which], vrow[which], 0, n, group, dim);
+        which ^= 1;
+        n = next_n;
     }
 }
 
