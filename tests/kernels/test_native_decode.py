@@ -89,6 +89,20 @@ def test_builds_for_older_instruction_sets(march, expected_isa):
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("width", [8, 16])
+def test_both_vector_widths(width):
+    """The build's vector width follows the ISA (16 floats with AVX-512, else 8); each width, built here, against
+    float64 over the shapes it unrolls (head_dim 64 and 128) and one it does not."""
+    lib = library((*FLAGS, f"-DPAGED_DECODE_W={width}"))
+    for heads, kv_heads, dim in [(9, 3, 64), (32, 8, 128), (6, 2, 32)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = paged_inputs([1, 15, 16, 17, 700], heads, kv_heads, dim, 16, dtype, seed=width + dim)
+            err = relative_error(paged_decode_attention(*inputs, scale=dim ** -0.5, lib=lib), *inputs,
+                                 scale=dim ** -0.5)
+            print(f"W={width} H={heads} Hkv={kv_heads} D={dim} {dtype}: relative error norm {err:.2e}")
+            assert err < 1e-5
+
+
 def test_bad_inputs_are_refused():
     q, k, v, tables, lens = paged_inputs([40, 20], 4, 2, 64, 16, torch.float32)
     bad = tables.clone()
@@ -97,8 +111,8 @@ def test_bad_inputs_are_refused():
         paged_decode_attention(q, k, v, bad, lens, scale=0.1)
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_attention(q, k, v, tables, torch.tensor([40, 10_000], dtype=torch.int32), scale=0.1)
-    with pytest.raises(ValueError, match="head_dim 40"):
-        paged_decode_attention(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), tables, lens,
+    with pytest.raises(ValueError, match="head_dim 36"):
+        paged_decode_attention(q[..., :36], k[..., :36].contiguous(), v[..., :36].contiguous(), tables, lens,
                                scale=0.1)
     with pytest.raises(ValueError, match="float16"):
         paged_decode_attention(q, k.half(), v.half(), tables, lens, scale=0.1)
