@@ -102,7 +102,7 @@ CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
 CpuAttention = Literal["auto", "native", "fused", "reference"]
 CpuMatmul = Literal["auto", "native", "torch"]
 PrefillPrefix = Literal["auto", "kernel"]
-KvCacheDtype = Literal["auto", "fp8_e4m3", "fp8_e5m2"]
+KvCacheDtype = Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 
 
 class BackendConfig(_Section):
@@ -138,8 +138,9 @@ class BackendConfig(_Section):
                             "the paged kernel (NVIDIA compute 9.0+, bf16/fp16 pages, head_dim 64/128); "
                             "kernel = the paged kernel for every key")
     kv_cache_dtype: KvCacheDtype = Field(
-        "auto", description="KV pages: auto = the model dtype; fp8_e4m3 / fp8_e5m2 = one byte per value, scaled "
-                            "per (layer, KV head) (the fnuz variants on AMD)")
+        "auto", description="KV pages: auto = the model dtype; bfloat16 = two bytes per value for a float32 model "
+                            "on the CPU (half the bytes a decode step reads); fp8_e4m3 / fp8_e5m2 = one byte per "
+                            "value, scaled per (layer, KV head) (the fnuz variants on AMD)")
 
     @field_validator("block_size")
     @classmethod

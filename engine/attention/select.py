@@ -32,7 +32,7 @@ def make_attention_backend(fd: FlashDecodingConfig, device: torch.device, gpu_ve
     """Build the backend for `fd` on `device` with `[backend] gpu_vendor`; `max_num_seqs` and
     `max_num_batched_tokens` size FFD's pool of exact K pages; `crossover` overrides the stored
     FFD crossover (tests); `cpu_attention` picks the CPU's dense attention (`DenseBackend`);
-    `kv_cache_dtype` other than "auto" (FP8 pages) is read by the dense kernels only; `prefill_prefix`
+    `kv_cache_dtype` other than "auto" (FP8 or bf16 pages) is read by the dense kernels only; `prefill_prefix`
     says whether the dense prefill attends long cached prefixes through cuDNN first.
 
     Raises ValueError for a vendor the hardware contradicts, a vendor that contradicts the

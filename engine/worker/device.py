@@ -41,7 +41,14 @@ _FP8 = {("fp8_e4m3", False): torch.float8_e4m3fn, ("fp8_e5m2", False): torch.flo
 
 
 def select_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, vendor: str) -> torch.dtype:
-    """The KV pages' dtype: the model's `dtype` for "auto", else the FP8 format for `vendor`."""
+    """The KV pages' dtype: the model's `dtype` for "auto"; bfloat16 (a bf16 model's own, or a float32 model's
+    on the CPU, whose kernels widen pages as they read them); else the FP8 format for `vendor`."""
     if kv_cache_dtype == "auto":
         return dtype
+    if kv_cache_dtype == "bfloat16":
+        if dtype != torch.bfloat16 and not (dtype == torch.float32 and vendor == "cpu"):
+            raise ConfigError(f'backend.kv_cache_dtype = "bfloat16" takes a bfloat16 model, or a float32 one on '
+                              f'the CPU; this model runs {str(dtype).removeprefix("torch.")} on {vendor}: set '
+                              '"auto"')
+        return torch.bfloat16
     return _FP8[(kv_cache_dtype, vendor == "amd")]

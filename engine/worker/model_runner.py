@@ -23,6 +23,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.layer import Attention, forward_context
 from engine.attention.metadata import AttentionCounters, AttentionMetadata
+from engine.model.native_decode import NativeDecodeStep
 from engine.request.sequence import Sequence
 from engine.worker.cuda_graph import DecodeGraphs
 from kernels.host_copy import host_to_device, to_device
@@ -80,6 +81,7 @@ class ModelRunner:
         self.v_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
+        self.native_decode: NativeDecodeStep | None = None   # a CPU decode step in one C++ call (worker.py sets it)
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
@@ -88,6 +90,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.spec
+        self.native_decode = None   # it holds the pages' addresses
         key_pages = self.backend.key_cache_pages(num_blocks)
         shape = (s.block_size, s.num_kv_heads, s.head_dim)
         self.k_cache = torch.zeros(s.num_layers, key_pages, *shape, dtype=s.kv_dtype, device=self.device)
@@ -209,8 +212,12 @@ class ModelRunner:
         step.metadata.plan = self.backend.plan(step.metadata.step_shape)   # once for every layer of the step
         if input_ids is not None:
             step.input_ids = input_ids.to(self.device)
+        native = self.native_decode
         with forward_context(step.metadata, self.backend):
-            hidden = self.model(step.input_ids, step.metadata.positions)
+            if native is not None and decode and native.takes(len(seqs)) and not step.prompt_rows:
+                hidden = native.forward(step.input_ids, step.metadata)
+            else:
+                hidden = self.model(step.input_ids, step.metadata.positions)
             # inside the step, so that a decode step's rows take the LM head's decode weight
             logits = self._compute_logits(hidden[step.logits_indices]) if step.sampled_seqs else None
         prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]

@@ -17,6 +17,7 @@ from engine.distributed.group import min_over_ranks, wait_for_all_ranks
 from engine.model.cpu_weights import configure_cpu_weights
 from engine.model.layers import configure_matmul, linear_shapes
 from engine.model.loader import load_model
+from engine.model.native_decode import native_decode_for
 from engine.worker.device import select_device, select_dtype, select_kv_dtype
 from engine.worker.model_runner import ModelRunner
 
@@ -75,7 +76,14 @@ class Worker:
                                       prefill_prefix=limits.prefill_prefix)
 
     def _capture_graphs(self) -> str:
+        """How decode steps run, for the startup log: CUDA graphs on a GPU; on a CPU the C++ decode stack where
+        the model allows it (engine/model/native_decode.py)."""
         backend = self.config.backend
+        if self.device.type == "cpu":
+            assert self.runner.k_cache is not None and self.runner.v_cache is not None
+            self.runner.native_decode, text = native_decode_for(self.model, self.backend, self.runner.k_cache,
+                                                                self.runner.v_cache)
+            return text
         if not backend.cuda_graphs:
             return "eager (backend.cuda_graphs = false)"
         if self.device.type != "cuda":

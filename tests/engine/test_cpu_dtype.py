@@ -41,3 +41,18 @@ def test_unknown_values_are_config_errors():
         load_config(None, {"backend.cpu_weight_dtype": "int3"})
     with pytest.raises(ConfigError, match="cpu_attention"):
         load_config(None, {"backend.cpu_attention": "fast"})
+
+
+def test_bfloat16_pages_for_a_float32_model_on_the_cpu_only():
+    """`kv_cache_dtype = "bfloat16"`: a bf16 model's own pages anywhere, a float32 model's on the CPU; a GPU's
+    kernels read pages in the model's dtype, so a float16 or float32 model there is refused at startup."""
+    from engine.config import ConfigError, load_config
+    from engine.worker.device import select_kv_dtype
+
+    assert select_kv_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    assert select_kv_dtype("bfloat16", torch.bfloat16, "nvidia") == torch.bfloat16
+    assert select_kv_dtype("auto", torch.float32, "cpu") == torch.float32
+    for dtype, vendor in ((torch.float16, "nvidia"), (torch.float32, "amd"), (torch.float16, "cpu")):
+        with pytest.raises(ConfigError, match='kv_cache_dtype = "bfloat16"'):
+            select_kv_dtype("bfloat16", dtype, vendor)
+    assert load_config(None, {"backend.kv_cache_dtype": "bfloat16"}).backend.kv_cache_dtype == "bfloat16"

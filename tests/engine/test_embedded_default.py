@@ -5,6 +5,9 @@ the float32 model's next token at >= 95 % of positions (measured 96.9 % on this 
 over the calibration texts: bf16 rounding of weights and activations together flips near-ties).
 "auto" also gives its Q4 layers int4 decode weights (their own 4-bit codes) and the LM head an int8
 one: scored through them on every position, the same holds.
+On a CPU without fast bf16, "auto" runs float32 with the GGUF's own Q4_1 / Q8_0 blocks for decode (the same
+numbers as the dense weights) and decodes through the C++ decode stack: greedy tokens are the float32 model's,
+and scored through those blocks on every position it predicts the float32 next token at >= 99 % of positions.
 With an FP8 KV cache (`kv_cache_dtype = "fp8_e4m3"`) it answers too, and at 2K context follows the
 float32 cache's next token at >= 90 % of 256 positions (measured 94.1 % on this text, 91.4-97.3 %
 over the calibration texts: e4m3 keeps 3 mantissa bits of every K and V value)."""
@@ -44,6 +47,12 @@ def fp8_kv_llm():
 
 
 @pytest.fixture(scope="module")
+def blocks_llm():
+    """float32 with `cpu_weight_dtype = "auto"` (what it runs on a CPU without fast bf16): block decode weights."""
+    return LLM(dtype="float32", cpu_weight_dtype="auto")
+
+
+@pytest.fixture(scope="module")
 def int4_llm():
     """`cpu_weight_dtype = "int4"`: every linear layer packed (the LM head stays dense)."""
     return LLM(cpu_weight_dtype="int4")
@@ -56,7 +65,8 @@ BF16_QUESTION = "What is the capital of France? Answer in one word."
 
 
 @pytest.mark.parametrize("which, question", [("llm", PROMPTS[0]), ("fp8_kv_llm", PROMPTS[0]),
-                                             ("bf16_llm", BF16_QUESTION), ("int4_llm", BF16_QUESTION)])
+                                             ("blocks_llm", PROMPTS[0]), ("bf16_llm", BF16_QUESTION),
+                                             ("int4_llm", BF16_QUESTION)])
 def test_capital_of_france(which, question, request):
     llm = request.getfixturevalue(which)
     out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0.0, max_tokens=32))[0]
@@ -102,6 +112,27 @@ def test_auto_packs_the_q4_layers():
     packed = [m for m in layers if m.decode_weight is not None]
     assert len(packed) == 4 * 30 + 1 and auto.engine.model.lm_head.decode_weight is not None
     assert "int4" in auto.engine.cpu_weights_text and "int8 LM head" in auto.engine.cpu_weights_text
+
+
+def test_float32_auto_keeps_the_gguf_blocks(llm, blocks_llm):
+    """Every projection and the LM head as the file's own blocks; the decode stack runs; 64 greedy tokens of each
+    prompt, three in one batch, are the dense float32 model's (which are transformers', above)."""
+    layers = [m for m in blocks_llm.engine.model.modules() if isinstance(m, HasWeight) and m.decode_weight is not None]
+    assert len(layers) == 4 * 30 + 1 and blocks_llm.engine.model.lm_head in layers
+    assert "4-bit in 120 layers, int8 in 1" in blocks_llm.engine.cpu_weights_text
+    assert blocks_llm.engine.runner.native_decode is not None
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    for ours, ref in zip(blocks_llm.chat(chats, params), llm.chat(chats, params), strict=True):
+        assert ours.token_ids == ref.token_ids
+
+
+def test_gguf_blocks_follow_float32_teacher_forced(llm, blocks_llm):
+    """The block weights scored on every prompt position, against the 99 % bar for the faster formats."""
+    tokens = real_text_tokens(llm)
+    with decode_weights_for_every_row():
+        agree = agreement(scored_top1(llm, tokens), scored_top1(blocks_llm, tokens))
+    assert agree >= 0.99, f"the blocks predict the float32 next token at {agree:.1%} of {SCORED_TOKENS} positions"
 
 
 def test_int4_decode_weights_follow_float32_teacher_forced(llm, int4_llm):

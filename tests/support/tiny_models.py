@@ -85,3 +85,30 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, num_layers
     model.save_pretrained(str(path))
     make_byte_tokenizer(path, chat_template, extra_tokens)
     return path
+
+
+def quantize_to_blocks(path: Path) -> Path:
+    """Rewrite a saved tiny model's projections as GGUF-style blocks would dequantize them: every q/k/v/o/gate/
+    up/down weight on a 4-bit grid per 32 inputs (Q4_1: d u + min), the LM head on an int8 grid (Q8_0: d q),
+    with d and min half-precision numbers, as a GGUF file holds them."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.gemm.int4_cpu import quantize_int4
+    from kernels.gemm.int8_blocks import quantize_int8_blocks
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    for name, w in tensors.items():
+        if w.dim() != 2 or "embed" in name:
+            continue
+        groups = w.float().reshape(w.shape[0], -1, 32)
+        if "lm_head" in name:
+            codes, scale = quantize_int8_blocks(w)
+            value = codes.reshape(groups.shape).float() * scale.half().float()[..., None]
+        else:
+            codes, scale, zero = quantize_int4(w)
+            value = (codes.reshape(groups.shape).float() * scale.half().float()[..., None]
+                     + (zero - 8 * scale).half().float()[..., None])
+        tensors[name] = value.reshape(w.shape).to(w.dtype).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
