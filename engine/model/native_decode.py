@@ -2,8 +2,8 @@
 
 On a CPU a decode step of a small model is mostly dispatch: a few hundred small torch ops a layer, each
 from Python. When the model is the plain Llama layer (no biases, no q/k norms, no experts, one rank) in
-float32 over float32 or bfloat16 pages, every product has the checkpoint's own block weight (`cpu_weights`: "auto" on
-a CPU without fast bf16) and the attention backend decodes with the exact softmax through the C++ paged
+float32 over float32 or bfloat16 pages, every product has the checkpoint's own block weight (`cpu_weights`:
+"auto" on a CPU without fast bf16) and the attention backend decodes with the exact softmax through the C++ paged
 kernel, the runner hands a decode step's rows to `NativeDecodeStep` instead of the model's forward: the
 same operations, one call. `native_decode_for` says why not otherwise, for the startup log.
 """
@@ -79,27 +79,23 @@ def _build(model: torch.nn.Module, backend: AttentionBackend, k_cache: torch.Ten
                              "(float32 over float32 or bfloat16 pages on a CPU)")
     if not isinstance(backend, DenseBackend) or not backend.cpu_native:
         raise _NotApplicable("the attention backend does not decode through the C++ paged kernel")
-    layers = list(model.model.layers)
-    if not layers:
-        raise _NotApplicable("no decoder layers")
+    layers = [layer for layer in model.model.layers if isinstance(layer, LlamaDecoderLayer)]
+    if not layers or len(layers) != len(model.model.layers):
+        raise _NotApplicable("no decoder layers, or layers other than Llama's")
     first = layers[0]
-    assert isinstance(first, LlamaDecoderLayer)
     attn = first.self_attn
     rotary = attn.rotary_emb
     weights = []
     for i, layer in enumerate(layers):
-        assert isinstance(layer, LlamaDecoderLayer)
         if layer.self_attn.rotary_emb is not rotary:
             raise _NotApplicable("rotary tables differ between layers")
         weights.append(_layer_weights(layer, i, k_cache[i], v_cache[i]))
     norm = model.model.norm
-    mlp = first.mlp
-    assert isinstance(mlp, LlamaMLP)
     shape = decode_stack.StackShape(
         hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim, rotary_dim=rotary.rotary_dim, intermediate=mlp.down_proj.input_size_per_partition,
+        head_dim=attn.head_dim, rotary_dim=rotary.rotary_dim, intermediate=weights[0].down.in_features,
         eps=first.input_layernorm.eps, attn_scale=attn.attn.scale)
-    if any(layer.input_layernorm.eps != shape.eps or layer.post_attention_layernorm.eps != shape.eps  # type: ignore[union-attr]
+    if any(layer.input_layernorm.eps != shape.eps or layer.post_attention_layernorm.eps != shape.eps
            for layer in layers) or norm.eps != shape.eps:
         raise _NotApplicable("RMSNorm epsilons differ between layers")
     stack = decode_stack.DecodeStack(shape, weights, norm.weight.detach(), rotary.cos_cache, rotary.sin_cache)

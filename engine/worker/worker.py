@@ -86,8 +86,6 @@ class Worker:
             return text
         if not backend.cuda_graphs:
             return "eager (backend.cuda_graphs = false)"
-        if self.device.type != "cuda":
-            return f"eager (backend.cuda_graphs applies to CUDA devices; this runs on {self.device.type})"
         max_batch = min(backend.cuda_graph_max_batch, backend.max_num_seqs)
         self.runner.capture_decode_graphs(max_batch, self.max_context_len)
         return f"CUDA graphs for batch sizes up to {max_batch}, eager above and for prefill"
