@@ -42,8 +42,6 @@ struct StackModel {
     const StackLayer *layers;
 };
 
-constexpr int MIN_SPLIT_TOKENS = 256;      // as kernels/native/paged_decode.py plans a step
-constexpr int ITEMS_PER_THREAD = 4;
 // Below this many (sequence, KV head, token) rows attention runs on one thread. Lower than the Python
 // path's 2048: here the other threads are already awake from the layer's products.
 constexpr int64_t MIN_PARALLEL_ROWS = 256;
@@ -142,13 +140,11 @@ int run(const StackModel &model, float *hidden, int M, const int64_t *positions,
     int max_len = 0;
     for (int m = 0; m < M; ++m) max_len = seq_lens[m] > max_len ? seq_lens[m] : max_len;
     const int attn_threads = (int64_t)M * Hkv * max_len < MIN_PARALLEL_ROWS ? 1 : num_threads;
-    const int wanted = (attn_threads * ITEMS_PER_THREAD + M * Hkv - 1) / (M * Hkv);
-    const int splits = std::max(1, std::min(wanted, max_len / MIN_SPLIT_TOKENS));
-    const int group = Hq / Hkv;
+    const int splits = paged::num_splits(M, max_len, attn_threads);
     std::vector<float> residual(hidden, hidden + (int64_t)M * H), x((int64_t)M * H), h((int64_t)M * H);
     std::vector<float> qkv((int64_t)M * (Hq + 2 * Hkv) * D), q((int64_t)M * Hq * D), attn((int64_t)M * Hq * D);
     std::vector<float> gate_up((int64_t)M * 2 * I), act((int64_t)M * I);
-    std::vector<float> work((int64_t)M * Hkv * splits * group * (D + 2));
+    std::vector<float> work(paged::work_floats(M, Hq, Hkv, D, splits));
     for (int l = 0; l < model.num_layers; ++l) {
         const StackLayer &layer = model.layers[l];
         if (l > 0) add_into(residual.data(), h.data(), (int64_t)M * H);

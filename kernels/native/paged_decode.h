@@ -3,15 +3,16 @@
 // Written with GCC/Clang vector extensions of W floats (16 where the build targets AVX-512, else 8), so
 // the compiler maps it onto the machine it is built on (-march=native): one AVX-512 or AVX2 register, two
 // NEON ones.
-// Work items are (sequence, KV head, token split); each keeps its group's query heads in registers,
-// reads its keys and values once, and leaves (max, sum, accumulator) that the merge combines by
-// log-sum-exp. Scores are float32 dot products of float32 queries with keys widened to float32 (no
-// rounding of products or scores); P·V accumulates in float32.
+// Work items are (sequence, token split) over every KV head; each streams its pages once and leaves, per KV
+// head, (max, sum, accumulator) that the merge combines by log-sum-exp. Scores are float32 dot products of
+// float32 queries with keys widened to float32 (no rounding of products or scores); P·V accumulates in float32.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "bf16.h"
 #include "simd.h"
@@ -61,9 +62,21 @@ inline vf pair_sums(vf a, vf b) {
 
 // Lane i of the result: the sum of v[i]'s W lanes.
 inline vf totals(vf *v) {
+#if PAGED_W == 8
+    // Pair sums within 128-bit halves first (in-lane shuffles, cheap on AVX2), then one exchange of halves.
+    auto inlane = [](vf a, vf b) {
+        return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+    };
+    const vf lo = inlane(inlane(v[0], v[1]), inlane(v[2], v[3]));   // [v0..v3 low-half sums | high-half sums]
+    const vf hi = inlane(inlane(v[4], v[5]), inlane(v[6], v[7]));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
     for (int n = W; n > 1; n /= 2)
         for (int i = 0; i < n / 2; ++i) v[i] = pair_sums(v[2 * i], v[2 * i + 1]);
     return v[0];
+#endif
 }
 
 inline float hmax(vf v) {
@@ -95,35 +108,88 @@ struct HeadState {      // one KV head's softmax state over a work item's tokens
     float *acc;         // [G, D]
 };
 
-// One KV head over one chunk of n <= CHUNK tokens (rows: where each token's vector for the head starts,
-// plus `offset`). GROUP / NVEC are fixed at compile time for the common shapes (loops
-// unrolled, vectors in registers); 0 = taken from the arguments.
-template <typename T, int GROUP, int NVEC>
-void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int64_t offset, int n, int group_arg,
-                  int dim) {
-    const int group = GROUP ? GROUP : group_arg;
-    const int nvec = NVEC ? NVEC : dim / W;
-    vf qv[MAX_GROUP][MAX_DIM / W];
-    vf acc[MAX_GROUP][MAX_DIM / W];
-    for (int g = 0; g < group; ++g)
-        for (int c = 0; c < nvec; ++c) {
-            qv[g][c] = load_row(st.q + g * dim + c * W);
-            acc[g][c] = load_row(st.acc + g * dim + c * W);
-        }
-    alignas(64) float scores[MAX_GROUP][CHUNK];
-    for (int base = 0; base < CHUNK; base += W) {
-        vf dots[MAX_GROUP][W];
-        for (int i = 0; i < W; ++i) {
-            vf kv[MAX_DIM / W];
-            for (int c = 0; c < nvec; ++c) kv[c] = load_row(krow[base + i] + offset + c * W);
-            for (int g = 0; g < group; ++g) {
-                vf d = qv[g][0] * kv[0];
-                for (int c = 1; c < nvec; ++c) d += qv[g][c] * kv[c];
-                dots[g][i] = d;
+constexpr int REGISTERS = W == 16 ? 32 : 16;   // vector registers: AVX-512, else AVX2 (NEON has 32 of half width)
+
+// The widest column block (in vectors) that divides nvec and keeps P·V's live set in registers: group x block
+// accumulators, the group's broadcast weights and one value vector.
+constexpr int column_block(int group, int nvec) {
+    for (int cb = nvec; cb > 1; --cb)
+        if (nvec % cb == 0 && group * cb + group + 1 <= REGISTERS) return cb;
+    return 1;
+}
+
+// Scores of W tokens against one query head: W partial-sum vectors (one a token) over the head dimension, then
+// folded into one vector of W scores. The query is read from memory a vector at a time, so W + 1 registers.
+template <typename T, int NVEC>
+inline vf head_scores(const float *q, const T *const *krow, int64_t offset, int nvec_arg) {
+    const int nvec = NVEC ? NVEC : nvec_arg;
+    vf dots[W];
+    {
+        const vf qc = load_row(q);
+        for (int i = 0; i < W; ++i) dots[i] = qc * load_row(krow[i] + offset);
+    }
+    for (int c = 1; c < nvec; ++c) {
+        const vf qc = load_row(q + c * W);
+        for (int i = 0; i < W; ++i) dots[i] += qc * load_row(krow[i] + offset + c * W);
+    }
+    return totals(dots);
+}
+
+// The next chunk's cache lines, prefetched a few at a time between the current chunk's vector work: a burst of
+// a whole chunk's lines would fill the core's miss buffers and stall it, so fetching and arithmetic would
+// take turns instead of overlapping.
+struct Prefetcher {
+    const char *const *rows = nullptr;   // the next chunk's K row pointers then its V row pointers
+    int num_rows = 0, row_bytes = 0;
+    int quantum = 0;                     // lines a vector step
+    int row = 0, offset = 0;
+
+    inline void issue() {
+        for (int k = 0; k < quantum && row < num_rows; ++k) {
+            __builtin_prefetch(rows[row] + offset);
+            offset += 64;
+            if (offset >= row_bytes) {
+                offset = 0;
+                ++row;
             }
         }
-        for (int g = 0; g < group; ++g) store(&scores[g][base], totals(dots[g]));
     }
+    inline void finish() {
+        while (row < num_rows) issue();
+    }
+};
+
+// One KV head over one chunk of n <= CHUNK tokens (rows: where each token's vector for the head starts,
+// plus `offset`). GROUP / NVEC are fixed at compile time for the common shapes (loops unrolled); 0 = taken
+// from the arguments. Each phase keeps only what fits the register file live: scores a query head at a
+// time, P·V a column block of every query head at a time (keys and values are re-read from L1 instead).
+template <typename T, int GROUP, int NVEC>
+void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int64_t offset, int n, int group_arg,
+                  int dim, Prefetcher &prefetch) {
+    const int group = GROUP ? GROUP : group_arg;
+    const int nvec = NVEC ? NVEC : dim / W;
+    alignas(64) float scores[MAX_GROUP][CHUNK];
+    for (int base = 0; base < CHUNK; base += W) {
+        prefetch.issue();
+        if constexpr (std::is_same_v<T, float>) {
+            for (int g = 0; g < group; ++g) {
+                store(&scores[g][base], head_scores<float, NVEC>(st.q + g * dim, krow + base, offset, nvec));
+                asm volatile("" ::: "memory");   // keeps the compiler from holding keys across heads (they would spill)
+            }
+        } else {   // widened once into L1 for all the group's heads
+            alignas(64) float keys[W * MAX_DIM];
+            const float *kf[W];
+            for (int i = 0; i < W; ++i) {
+                kf[i] = keys + i * dim;
+                for (int c = 0; c < nvec; ++c) store(keys + i * dim + c * W, load_row(krow[base + i] + offset + c * W));
+            }
+            for (int g = 0; g < group; ++g) {
+                store(&scores[g][base], head_scores<float, NVEC>(st.q + g * dim, kf, 0, nvec));
+                asm volatile("" ::: "memory");
+            }
+        }
+    }
+    float alpha[MAX_GROUP];
     for (int g = 0; g < group; ++g) {
         vf s[CHUNK / W];
         vf mx = splat(-std::numeric_limits<float>::infinity());
@@ -136,7 +202,7 @@ void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int6
         }
         const float m_old = st.max[g];
         const float m_new = std::fmax(m_old, hmax(mx));
-        const float alpha = std::exp(m_old - m_new);   // 0 at the first chunk (m = -inf)
+        alpha[g] = std::exp(m_old - m_new);   // 0 at the first chunk (m = -inf)
         vf total = vf{};
         for (int j = 0; j < CHUNK / W; ++j) {
             vf p = exp_nonpositive(s[j] - m_new);
@@ -146,75 +212,122 @@ void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int6
             total += p;
             store(&scores[g][j * W], p);
         }
-        st.sum[g] = st.sum[g] * alpha + hsum(total);
+        st.sum[g] = st.sum[g] * alpha[g] + hsum(total);
         st.max[g] = m_new;
-        for (int c = 0; c < nvec; ++c) acc[g][c] *= alpha;
     }
-    for (int i = 0; i < n; ++i) {
-        vf vv[MAX_DIM / W];
-        for (int c = 0; c < nvec; ++c) vv[c] = load_row(vrow[i] + offset + c * W);
-        for (int g = 0; g < group; ++g) {
-            const vf p = splat(scores[g][i]);
-            for (int c = 0; c < nvec; ++c) acc[g][c] += p * vv[c];
+    constexpr int CB = GROUP && NVEC ? column_block(GROUP, NVEC) : 1;
+    for (int c0 = 0; c0 < nvec; c0 += CB) {
+        vf acc[GROUP ? GROUP : 1][CB];
+        if (GROUP && NVEC) {
+            for (int g = 0; g < group; ++g)
+                for (int c = 0; c < CB; ++c) acc[g][c] = load_row(st.acc + g * dim + (c0 + c) * W) * alpha[g];
+            for (int i = 0; i < n; ++i) {
+                prefetch.issue();
+                for (int c = 0; c < CB; ++c) {
+                    const vf v = load_row(vrow[i] + offset + (c0 + c) * W);
+                    for (int g = 0; g < group; ++g) acc[g][c] += scores[g][i] * v;   // a scalar: one broadcast
+                }
+            }
+            for (int g = 0; g < group; ++g)
+                for (int c = 0; c < CB; ++c) store(st.acc + g * dim + (c0 + c) * W, acc[g][c]);
+        } else {   // any shape: one vector of one head at a time
+            for (int g = 0; g < group; ++g) {
+                vf a = load_row(st.acc + g * dim + c0 * W) * alpha[g];
+                for (int i = 0; i < n; ++i) {
+                    prefetch.issue();
+                    a += scores[g][i] * load_row(vrow[i] + offset + c0 * W);
+                }
+                store(st.acc + g * dim + c0 * W, a);
+            }
         }
     }
-    for (int g = 0; g < group; ++g)
-        for (int c = 0; c < nvec; ++c) store(st.acc + g * dim + c * W, acc[g][c]);
 }
 
+// A work item: every KV head of one sequence over its tokens [begin, end), each head's state starting empty
+// (states[h]). A chunk's rows are whole page rows (all heads' keys and values of a token, contiguous), so an
+// item streams its pages once, front to back, while each head's pass over the chunk reads it from cache.
 template <typename T, int GROUP, int NVEC>
-void attend_range_fixed(HeadState st, const T *k_cache, const T *v_cache, const int32_t *block_table,
-                        int64_t begin, int64_t end, int block_size, int64_t token_stride, int group, int dim) {
-    const T *krow[2][CHUNK];
-    const T *vrow[2][CHUNK];
-    const int64_t row_bytes = (int64_t)dim * sizeof(T);
-    // A chunk's row pointers, its rows prefetched: they are scattered over pages, so a decode step that
-    // follows the weights' stream through the caches would otherwise wait on each page in turn.
+void attend_range_fixed(const HeadState *states, int num_kv_heads, const T *k_cache, const T *v_cache,
+                        const int32_t *block_table, int64_t begin, int64_t end, int block_size, int group, int dim) {
+    const T *rows[2][2 * CHUNK];   // a chunk's K row pointers, then its V row pointers
+    const int64_t token_stride = (int64_t)num_kv_heads * dim;
+    const int64_t row_bytes = token_stride * (int64_t)sizeof(T);
     auto rows_of = [&](int64_t start, int which) {
         const int n = (int)(end - start < CHUNK ? end - start : CHUNK);
         for (int i = 0; i < CHUNK; ++i) {   // rows past the end repeat the last one; their scores are masked
             const int64_t t = start + (i < n ? i : n - 1);
             const int64_t slot = (int64_t)block_table[t / block_size] * block_size + t % block_size;
-            krow[which][i] = k_cache + slot * token_stride;
-            vrow[which][i] = v_cache + slot * token_stride;
-            if (i < n)
-                for (int64_t b = 0; b < row_bytes; b += 64) {
-                    __builtin_prefetch((const char *)krow[which][i] + b);
-                    __builtin_prefetch((const char *)vrow[which][i] + b);
-                }
+            rows[which][i] = k_cache + slot * token_stride;
+            rows[which][CHUNK + i] = v_cache + slot * token_stride;
         }
         return n;
     };
+    // Issues a chunk's lines over about the vector steps of a chunk (score blocks and P·V rows of every head).
+    const int steps = num_kv_heads * (CHUNK / W + CHUNK * (GROUP && NVEC ? NVEC / column_block(GROUP, NVEC) : dim / W));
     int which = 0;
     int n = begin < end ? rows_of(begin, 0) : 0;
+    for (int i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch((const char *)rows[0][i] + b);
+            __builtin_prefetch((const char *)rows[0][CHUNK + i] + b);
+        }
     for (int64_t start = begin; start < end; start += CHUNK) {
         const int next_n = start + CHUNK < end ? rows_of(start + CHUNK, which ^ 1) : 0;
-        attend_chunk<T, GROUP, NVEC>(st, krow[which], vrow[which], 0, n, group, dim);
+        const char *next_rows[2 * CHUNK];
+        for (int i = 0; i < next_n; ++i) {
+            next_rows[i] = (const char *)rows[which ^ 1][i];
+            next_rows[next_n + i] = (const char *)rows[which ^ 1][CHUNK + i];
+        }
+        const int lines = 2 * next_n * (int)((row_bytes + 63) / 64);
+        Prefetcher prefetch{next_rows, 2 * next_n, (int)row_bytes, std::max(1, (lines + steps - 1) / steps)};
+        for (int h = 0; h < num_kv_heads; ++h)
+            attend_chunk<T, GROUP, NVEC>(states[h], rows[which], rows[which] + CHUNK, (int64_t)h * dim, n, group, dim,
+                                         prefetch);
+        prefetch.finish();
         which ^= 1;
         n = next_n;
     }
 }
 
-// A work item: one KV head of one sequence over its tokens [begin, end), the state starting empty.
 template <typename T>
-void attend_range(HeadState st, const T *k_cache, const T *v_cache, const int32_t *block_table, int64_t begin,
-                  int64_t end, int block_size, int64_t token_stride, int group, int dim) {
-    for (int g = 0; g < group; ++g) {
-        st.max[g] = -std::numeric_limits<float>::infinity();
-        st.sum[g] = 0.0f;
+void attend_range(const HeadState *states, int num_kv_heads, const T *k_cache, const T *v_cache,
+                  const int32_t *block_table, int64_t begin, int64_t end, int block_size, int group, int dim) {
+    for (int h = 0; h < num_kv_heads; ++h) {
+        const HeadState &st = states[h];
+        for (int g = 0; g < group; ++g) {
+            st.max[g] = -std::numeric_limits<float>::infinity();
+            st.sum[g] = 0.0f;
+        }
+        std::memset(st.acc, 0, sizeof(float) * group * dim);
     }
-    std::memset(st.acc, 0, sizeof(float) * group * dim);
     if (begin >= end) return;
 #define FIXED(G, NV) \
     if (group == G && dim == NV * W) \
-        return attend_range_fixed<T, G, NV>(st, k_cache, v_cache, block_table, begin, end, block_size, token_stride, \
-                                            group, dim);
+        return attend_range_fixed<T, G, NV>(states, num_kv_heads, k_cache, v_cache, block_table, begin, end, \
+                                            block_size, group, dim);
     constexpr int D64 = 64 / W, D128 = 128 / W;   // head_dim 64 and 128, the common ones
     FIXED(1, D64) FIXED(2, D64) FIXED(3, D64) FIXED(4, D64) FIXED(5, D64) FIXED(6, D64) FIXED(7, D64) FIXED(8, D64)
     FIXED(1, D128) FIXED(2, D128) FIXED(3, D128) FIXED(4, D128) FIXED(5, D128) FIXED(6, D128) FIXED(7, D128)
     FIXED(8, D128)
 #undef FIXED
-    attend_range_fixed<T, 0, 0>(st, k_cache, v_cache, block_table, begin, end, block_size, token_stride, group, dim);
+    attend_range_fixed<T, 0, 0>(states, num_kv_heads, k_cache, v_cache, block_table, begin, end, block_size, group,
+                                dim);
+}
+
+constexpr int MIN_SPLIT_TOKENS = 256;   // tokens a split covers at least
+constexpr int ITEMS_PER_THREAD = 4;     // items per thread aimed at (dynamic scheduling evens them out)
+constexpr int MAX_KV_HEADS = 64;
+
+// Token splits per sequence: enough (sequence, split) items for every thread, none under MIN_SPLIT_TOKENS.
+inline int num_splits(int batch, int64_t max_len, int num_threads) {
+    const int64_t wanted = ((int64_t)num_threads * ITEMS_PER_THREAD + batch - 1) / (batch > 0 ? batch : 1);
+    const int64_t most = max_len / MIN_SPLIT_TOKENS;
+    return (int)(wanted < most ? (wanted > 1 ? wanted : 1) : (most > 1 ? most : 1));
+}
+
+// Floats of `work` a call needs: every (sequence, KV head, split)'s max[G], sum[G] and acc[G, D].
+inline int64_t work_floats(int batch, int num_heads, int num_kv_heads, int dim, int splits) {
+    return (int64_t)batch * num_kv_heads * splits * (num_heads / num_kv_heads) * (dim + 2);
 }
 
 template <typename T>
@@ -223,19 +336,20 @@ void paged_decode(const float *q, const T *k_cache, const T *v_cache, const int3
                   int num_kv_heads, int dim, int block_size, int splits, int num_threads, float *work,
                   void *out, bool out_bf16) {
     const int group = num_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * dim;
-    const int64_t head_floats = (int64_t)group * (dim + 2);   // a work item's max[G], sum[G], acc[G, D]
-    const int64_t items = (int64_t)batch * num_kv_heads * splits;
+    const int64_t head_floats = (int64_t)group * (dim + 2);   // one (sequence, KV head, split)'s state
+    const int64_t items = (int64_t)batch * splits;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t item = 0; item < items; ++item) {
         const int split = (int)(item % splits);
-        const int h = (int)(item / splits % num_kv_heads);
-        const int b = (int)(item / splits / num_kv_heads);
+        const int b = (int)(item / splits);
         const int64_t len = seq_lens[b];
-        float *w = work + item * head_floats;
-        HeadState st{q + ((int64_t)b * num_heads + (int64_t)h * group) * dim, w, w + group, w + 2 * group};
-        attend_range(st, k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
-                     len * split / splits, len * (split + 1) / splits, block_size, token_stride, group, dim);
+        HeadState states[MAX_KV_HEADS];
+        for (int h = 0; h < num_kv_heads; ++h) {
+            float *w = work + (((int64_t)b * num_kv_heads + h) * splits + split) * head_floats;
+            states[h] = HeadState{q + ((int64_t)b * num_heads + (int64_t)h * group) * dim, w, w + group, w + 2 * group};
+        }
+        attend_range(states, num_kv_heads, k_cache, v_cache, block_tables + b * block_table_stride,
+                     len * split / splits, len * (split + 1) / splits, block_size, group, dim);
     }
     // Merge each query head's splits by their log-sum-exps; a sequence with no tokens gets zeros.
     for (int b = 0; b < batch; ++b)

@@ -1,8 +1,8 @@
 """Paged decode attention on the CPU in C++ (`paged_decode.cpp`): `reference.decode_attention_ref`'s contract.
 
 One call per layer reads every sequence's pages through its block table: no gather, no Python per page.
-The work is (sequence, KV head, token split) items on torch's OpenMP threads, merged exactly by
-log-sum-exp; scores, softmax and P·V are float32 whatever the pages hold (float32 or bfloat16).
+The work is (sequence, token split) items on torch's OpenMP threads, each over every KV head of its page rows,
+merged exactly by log-sum-exp; scores, softmax and P·V are float32 whatever the pages hold (float32 or bfloat16).
 """
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ from kernels.native.build import FLAGS, load
 from kernels.native.pages import host_tables
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Tokens a split covers at least, and the items per thread aimed at (dynamic scheduling evens them out).
-MIN_SPLIT_TOKENS = 256
-ITEMS_PER_THREAD = 4
 
 
 @dataclass(frozen=True)
@@ -26,6 +23,7 @@ class Limits:
     max_group: int
     max_dim: int
     dim_multiple: int
+    max_kv_heads: int
 
 
 @cache
@@ -33,6 +31,10 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """The kernel built for this CPU (or with other compiler `flags`, e.g. an older instruction set)."""
     lib = load("paged_decode", flags)
     lib.paged_decode_isa.restype = ctypes.c_char_p
+    lib.paged_decode_num_splits.restype = ctypes.c_int
+    lib.paged_decode_num_splits.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    lib.paged_decode_work_floats.restype = ctypes.c_int64
+    lib.paged_decode_work_floats.argtypes = [ctypes.c_int] * 5
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -52,7 +54,8 @@ def isa(lib: ctypes.CDLL | None = None) -> str:
 def limits() -> Limits:
     """The shapes the compiled kernel takes (builds it on first use: raises `NativeBuildError`)."""
     lib = library()
-    return Limits(lib.paged_decode_max_group(), lib.paged_decode_max_dim(), lib.paged_decode_dim_multiple())
+    return Limits(lib.paged_decode_max_group(), lib.paged_decode_max_dim(), lib.paged_decode_dim_multiple(),
+                  lib.paged_decode_max_kv_heads())
 
 
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> str | None:
@@ -69,13 +72,9 @@ def _shape_unsupported(num_heads: int, num_kv_heads: int, head_dim: int) -> str 
         return f"{num_heads} query heads over {num_kv_heads} KV heads (groups of at most {lim.max_group})"
     if head_dim % lim.dim_multiple or head_dim > lim.max_dim:
         return f"head_dim {head_dim} (a multiple of {lim.dim_multiple}, at most {lim.max_dim})"
+    if num_kv_heads > lim.max_kv_heads:
+        return f"{num_kv_heads} KV heads (at most {lim.max_kv_heads})"
     return None
-
-
-def num_splits(batch: int, num_kv_heads: int, max_len: int, num_threads: int) -> int:
-    """Token splits per (sequence, KV head): enough items for every thread, none under `MIN_SPLIT_TOKENS`."""
-    wanted = -(-num_threads * ITEMS_PER_THREAD // max(1, batch * num_kv_heads))
-    return max(1, min(wanted, max_len // MIN_SPLIT_TOKENS))
 
 
 # Below this many (sequence, KV head, token) rows a call runs on one thread: starting the team costs more
@@ -110,9 +109,10 @@ def plan_native_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_h
     threads = num_threads or torch.get_num_threads()
     if batch * num_kv_heads * max_len < MIN_PARALLEL_ROWS:
         threads = 1
-    splits = num_splits(batch, num_kv_heads, max_len, threads)
-    work = torch.empty(batch * num_kv_heads * splits * (num_heads // num_kv_heads) * (head_dim + 2)
-                       + batch * num_heads * head_dim, dtype=torch.float32)
+    lib = library()
+    splits = lib.paged_decode_num_splits(batch, max_len, threads)   # the kernel's own rule (the C++ stack's too)
+    work = torch.empty(lib.paged_decode_work_floats(batch, num_heads, num_kv_heads, head_dim, splits),
+                       dtype=torch.float32)
     return NativeDecodePlan(tables, lens, splits, threads, work, (batch, num_heads, head_dim),
                             (num_blocks, block_size, num_kv_heads, head_dim))
 

@@ -9,7 +9,14 @@ import torch
 
 from kernels.attention.reference import decode_attention_ref
 from kernels.native.build import FLAGS
-from kernels.native.paged_decode import isa, library, limits, paged_decode_attention, plan_native_decode
+from kernels.native.paged_decode import (
+    isa,
+    library,
+    limits,
+    paged_decode_attention,
+    plan_native_decode,
+    unsupported,
+)
 
 
 def paged_inputs(lens, heads, kv_heads, dim, block_size, dtype, seed=0, score_scale=1.0):
@@ -119,6 +126,9 @@ def test_bad_inputs_are_refused():
         paged_decode_attention(q, k.half(), v.half(), tables, lens, scale=0.1)
     with pytest.raises(ValueError, match="query heads"):
         paged_decode_attention(torch.randn(2, 3, 64), k, v, tables, lens, scale=0.1)
+    too_many = limits().max_kv_heads + 1   # a work item holds every KV head's state
+    assert "KV heads" in unsupported(too_many, too_many, 64, torch.float32)
+    assert unsupported(too_many - 1, too_many - 1, 64, torch.float32) is None
     plan = plan_native_decode(tables, lens, 4, 2, 64, 16, k.shape[0])
     with pytest.raises(ValueError, match="plan"):
         paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], scale=0.1, plan=plan)
