@@ -428,13 +428,13 @@ def test_scan_grid_size_and_decision_chunks_change_nothing(monkeypatch):
     assert int((masks == 0).sum()) > 0   # blocks really were dropped
 
 
+@pytest.mark.skipif(EXACT, reason="the interpreter scans with fp32 levels and takes neither form")
 @pytest.mark.parametrize("group", [4, 7])
 def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monkeypatch, group):
     """The int8 scan's 1.5 * sum(q side) (head_dim 128) by an all-ones MMA or by a sum over the
-    channels, and the MMA form in its one-wave grid (SCAN_WAVE_MIN_STEPS = 1; compiled only, sized
-    from the compiled scan's residency, which this checks was read): the same integers, so the same
-    output and block masks, bit for bit. (The interpreter scans with fp32 levels and takes neither
-    path: there this only checks that the forms launch.)"""
+    channels, and the MMA form in its one-wave grid (SCAN_WAVE_MIN_STEPS = 1, sized from the compiled
+    scan's residency, which this checks was read): the same integers, so the same output and block
+    masks, bit for bit. Compiled only: the interpreter scans with fp32 levels and takes neither form."""
     bs = 64
     lens = [40 * bs + 5, 9 * bs, 2 * bs + 1]
     case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=group, dim=128, seed=13))
@@ -449,7 +449,7 @@ def test_scan_sum_of_the_q_side_by_mma_or_over_channels_gives_the_same_bits(monk
                 for by_mma, wave_steps in ((False, 10**9), (True, 10**9), (None, 1))]
     masks = same_bits_under(monkeypatch, case, p, variants)
     assert int((masks == 0).sum()) > 0 and int((masks == 1).sum()) > 0
-    assert ("ffd_scan" in read) == (DEV.type == "cuda")
+    assert "ffd_scan" in read
 
 
 @pytest.mark.parametrize("tokens", [16, 64])
@@ -477,9 +477,8 @@ def test_sync_buffer_is_left_zero_and_serves_every_call():
         case = to_dev(paged_case(lens, bs=bs, kv_heads=2, group=2, dim=64, seed=seed))
         p = params(bs=bs, delta_log2=2.0, sink=4, window=64)
         fresh = run(case, p)
-        for _ in range(2):
-            assert torch.equal(run(case, p, sync=sync), fresh)
-            assert not sync.any(), sync.tolist()
+        assert torch.equal(run(case, p, sync=sync), fresh)   # the second case reuses what the first left
+        assert not sync.any(), sync.tolist()
     with pytest.raises(ValueError, match="sync"):
         run(case, p, sync=ffd_sync_buffer(1, 2, DEV))
 

@@ -11,7 +11,7 @@ from server.app.build import build_app
 from tests.support.server_harness import LiveServer, tiny_config
 from tests.support.tiny_models import make_tiny_model
 
-FUZZ_SECONDS = 75
+FUZZ_SECONDS = 40
 
 pytestmark = pytest.mark.skipif(shutil.which("schemathesis") is None,
                                 reason="schemathesis not installed (pip install '.[test]')")
