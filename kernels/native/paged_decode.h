@@ -138,15 +138,17 @@ inline vf head_scores(const float *q, const T *const *krow, int64_t offset, int 
 // The next chunk's cache lines, prefetched a few at a time between the current chunk's vector work: a burst of
 // a whole chunk's lines would fill the core's miss buffers and stall it, so fetching and arithmetic would
 // take turns instead of overlapping.
+template <typename T>
 struct Prefetcher {
-    const char *const *rows = nullptr;   // the next chunk's K row pointers then its V row pointers
-    int num_rows = 0, row_bytes = 0;
-    int quantum = 0;                     // lines a vector step
-    int row = 0, offset = 0;
+    const T *const *rows = nullptr;   // the next chunk's row pointers: K at [0, CHUNK), V at [CHUNK, 2 CHUNK)
+    int n = 0;                        // its tokens
+    int row_bytes = 0;
+    int quantum = 0;                  // lines a vector step
+    int row = 0, offset = 0;          // row in [0, 2n): K rows, then V rows
 
     inline void issue() {
-        for (int k = 0; k < quantum && row < num_rows; ++k) {
-            __builtin_prefetch(rows[row] + offset);
+        for (int k = 0; k < quantum && row < 2 * n; ++k) {
+            __builtin_prefetch((const char *)rows[row < n ? row : CHUNK + row - n] + offset);
             offset += 64;
             if (offset >= row_bytes) {
                 offset = 0;
@@ -155,7 +157,7 @@ struct Prefetcher {
         }
     }
     inline void finish() {
-        while (row < num_rows) issue();
+        while (row < 2 * n) issue();
     }
 };
 
@@ -165,7 +167,7 @@ struct Prefetcher {
 // time, P·V a column block of every query head at a time (keys and values are re-read from L1 instead).
 template <typename T, int GROUP, int NVEC>
 void attend_chunk(HeadState st, const T *const *krow, const T *const *vrow, int64_t offset, int n, int group_arg,
-                  int dim, Prefetcher &prefetch) {
+                  int dim, Prefetcher<T> &prefetch) {
     const int group = GROUP ? GROUP : group_arg;
     const int nvec = NVEC ? NVEC : dim / W;
     alignas(64) float scores[MAX_GROUP][CHUNK];
@@ -273,13 +275,8 @@ void attend_range_fixed(const HeadState *states, int num_kv_heads, const T *k_ca
         }
     for (int64_t start = begin; start < end; start += CHUNK) {
         const int next_n = start + CHUNK < end ? rows_of(start + CHUNK, which ^ 1) : 0;
-        const char *next_rows[2 * CHUNK];
-        for (int i = 0; i < next_n; ++i) {
-            next_rows[i] = (const char *)rows[which ^ 1][i];
-            next_rows[next_n + i] = (const char *)rows[which ^ 1][CHUNK + i];
-        }
         const int lines = 2 * next_n * (int)((row_bytes + 63) / 64);
-        Prefetcher prefetch{next_rows, 2 * next_n, (int)row_bytes, std::max(1, (lines + steps - 1) / steps)};
+        Prefetcher<T> prefetch{rows[which ^ 1], next_n, (int)row_bytes, std::max(1, (lines + steps - 1) / steps)};
         for (int h = 0; h < num_kv_heads; ++h)
             attend_chunk<T, GROUP, NVEC>(states[h], rows[which], rows[which] + CHUNK, (int64_t)h * dim, n, group, dim,
                                          prefetch);
