@@ -66,6 +66,7 @@ from kernels.native import rope_store as native_rope
 from kernels.native.build import NativeBuildError
 from kernels.native.paged_decode import NativeDecodePlan, isa, paged_decode_attention, plan_native_decode
 from kernels.native.paged_decode import unsupported as native_unsupported
+from kernels.native.paged_prefill import kernel_name as native_prefill_name
 from kernels.native.paged_prefill import paged_prefill_attention
 from kernels.native.paged_prefill import unsupported as native_prefill_unsupported
 from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
@@ -164,7 +165,7 @@ class DenseBackend(AttentionBackend):
         self.cpu_fused_decode = self.cpu_fused and self.variant != "fdpp"
         self.cpu_attention = cpu_attention
         self.cpu_native = False                  # decode through kernels.native (`allocate` decides)
-        self.cpu_native_prefill = False          # prefill through kernels.native (bf16, AVX512-BF16 CPUs)
+        self.cpu_native_prefill = False          # prefill through kernels.native (bf16 on AVX512-BF16, float32 on AVX2)
         if self.variant == "fdpp" and cpu_attention == "native":
             raise ValueError('[backend] cpu_attention = "native" decodes with the exact softmax; '
                              '[flashdecoding] async_softmax = true has its own arithmetic (use "auto" or "fused")')
@@ -247,14 +248,17 @@ class DenseBackend(AttentionBackend):
             self.cpu_native = True
             if spec.dtype == spec.kv_dtype == torch.bfloat16 and _native_rope_builds():
                 self.fuse_rope_store = True      # RotaryEmbedding.rotate_and_store: one C++ call on the CPU
-            prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                                        spec.dtype, spec.kv_dtype)
+            try:
+                prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                                            spec.dtype, spec.kv_dtype)
+            except NativeBuildError as exc:
+                prefill_reason = str(exc)
             self.cpu_native_prefill = prefill_reason is None
             if prefill_reason is not None:
                 logger.info("CPU prefill through torch SDPA: %s", prefill_reason)
             self.name = self._name(
                 f"C++ paged kernel (cpu, {isa()}), the softmax of {TITLES[self.variant]}",
-                "C++ paged kernel (cpu, AVX512-BF16)" if self.cpu_native_prefill else "torch SDPA (cpu)",
+                native_prefill_name(spec.dtype) if self.cpu_native_prefill else "torch SDPA (cpu)",
                 "C++, fused with RoPE (cpu)" if self.fuse_rope_store else "torch index copy (cpu)")
         elif self.cpu_attention == "native":
             raise ValueError(f'[backend] cpu_attention = "native": the C++ decode kernel cannot run here: {reason}')

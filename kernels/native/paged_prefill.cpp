@@ -15,6 +15,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "prefill_schedule.h"
+
 namespace {
 
 constexpr int KB = 32;          // keys a block
@@ -180,60 +182,34 @@ int paged_prefill_attention(const uint16_t *q, const uint16_t *k_cache, const ui
     const int group = num_heads / num_kv_heads;
     if ((dim != 64 && dim != 128) || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
-    const int rows_per_item = paged_prefill_rows_per_item(group);
-    int64_t pack_base[batch + 1];     // where each sequence's packed heads start in work
-    int64_t item_base[batch + 1];     // each sequence's first attend item
-    pack_base[0] = item_base[0] = 0;
-    for (int b = 0; b < batch; ++b) {
-        const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
-        pack_base[b + 1] = pack_base[b] + blocks_of(seq_lens[b]) * KB * dim * 2 * num_kv_heads;
-        item_base[b + 1] = item_base[b] + num_kv_heads * ((q_len + rows_per_item - 1) / rows_per_item);
-    }
+    int64_t pack_base[batch + 1];   // where each sequence's packed heads start in work
+    pack_base[0] = 0;
+    auto head_elements = [&](int b) { return blocks_of(seq_lens[b]) * KB * dim; };   // K's; V's as many after
+    for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + head_elements(b) * 2 * num_kv_heads;
+    auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * head_elements(b) * 2; };
     const float scale_log2 = scale * 1.4426950408889634f;
-#pragma omp parallel num_threads(num_threads)
-    {
-        for (int b = 0; b < batch; ++b) {
-            const int64_t len = seq_lens[b];
-            const int64_t nb = blocks_of(len);
-            const int64_t chunk = 8;   // key blocks a pack task
-            const int64_t tasks = num_kv_heads * ((nb + chunk - 1) / chunk);
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t task = 0; task < tasks; ++task) {
-                const int h = (int)(task % num_kv_heads);
-                const int64_t kb0 = task / num_kv_heads * chunk;
-                const int64_t kb1 = kb0 + chunk < nb ? kb0 + chunk : nb;
-                uint16_t *base = work + pack_base[b] + (int64_t)h * nb * KB * dim * 2;
-                pack_blocks(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
-                            len, kb0, kb1, block_size, token_stride, dim, (uint32_t *)base, base + nb * KB * dim);
-            }
-        }
-#pragma omp barrier
-        // The longest items (the last rows) first: dynamic scheduling then ends evenly.
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t rev = 0; rev < item_base[batch]; ++rev) {
-            const int64_t item = item_base[batch] - 1 - rev;
-            int b = 0;
-            while (item >= item_base[b + 1]) ++b;
-            const int64_t local = item - item_base[b];
-            const int h = (int)(local % num_kv_heads);
-            const int64_t r0 = local / num_kv_heads * rows_per_item;
-            const int64_t q_start = query_start_loc[b], q_len = query_start_loc[b + 1] - q_start;
-            const int rows = (int)(q_len - r0 < rows_per_item ? q_len - r0 : rows_per_item);
-            const int64_t len = seq_lens[b], nb = blocks_of(len);
-            const uint16_t *base = work + pack_base[b] + (int64_t)h * nb * KB * dim * 2;
-            const int64_t row = q_start + r0;
-            const int64_t stride = (int64_t)num_heads * dim;
+    const int64_t stride = (int64_t)num_heads * dim;
+    prefill_schedule::run(
+        seq_lens, query_start_loc, batch, num_kv_heads, paged_prefill_rows_per_item(group), KB, 8, num_threads,
+        [&](int b, int h, int64_t kb0, int64_t kb1) {
+            uint16_t *base = head_base(b, h);
+            pack_blocks(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
+                        seq_lens[b], kb0, kb1, block_size, token_stride, dim, (uint32_t *)base,
+                        base + head_elements(b));
+        },
+        [&](int b, int h, int64_t r0, int rows) {
+            const uint16_t *base = head_base(b, h);
+            const int64_t row = query_start_loc[b] + r0;
             const uint16_t *qh = q + row * stride + (int64_t)h * group * dim;
             float *oh = out + row * stride + (int64_t)h * group * dim;
-            const int64_t first_pos = len - q_len + r0;
+            const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) + r0;
             if (dim == 64)
-                attend_item<64>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + nb * KB * dim,
+                attend_item<64>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + head_elements(b),
                                 scale_log2, oh, stride);
             else
-                attend_item<128>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + nb * KB * dim,
+                attend_item<128>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + head_elements(b),
                                  scale_log2, oh, stride);
-        }
-    }
+        });
     return 0;
 }
 

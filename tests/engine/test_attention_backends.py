@@ -17,6 +17,7 @@ from kernels import decode_reference
 from kernels.attention.reference import decode_attention_ref, prefill_attention_ref
 from kernels.native.paged_decode import isa
 from kernels.native.paged_prefill import library as prefill_library
+from kernels.native.paged_prefill import library_f32 as prefill_library_f32
 from tests.support.attention_metadata import cache_spec, kernel_metadata, planned
 
 CPU = torch.device("cpu")
@@ -100,6 +101,24 @@ def test_native_cpu_prefill_runs_on_bf16_pages():
     fused = make_attention_backend(FlashDecodingConfig(), CPU, "cpu", cpu_attention="fused")
     fused.allocate(cache_spec(v[None], q.shape[1]), k[None], v[None])
     assert "prefill: torch SDPA (cpu)" in fused.name and not fused.fuse_rope_store
+
+
+@pytest.mark.skipif(not prefill_library_f32().paged_prefill_f32_available(), reason="neither AVX2 nor AVX-512")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_native_cpu_prefill_runs_on_float32_queries(kv_dtype):
+    q, k, v, tables, lens = decode_inputs(dim=64)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    starts = torch.tensor([0, 100, 145, 146], dtype=torch.int32)   # chunks after cached prefixes, one decode row
+    q = torch.randn(146, q.shape[1], 64)
+    backend = make_attention_backend(FlashDecodingConfig(), CPU, "cpu")
+    backend.allocate(cache_spec(v[None], q.shape[1], dtype=torch.float32), k[None], v[None])
+    assert backend.cpu_native_prefill and "prefill: C++ paged kernel (cpu, float32, " in backend.name
+    out = backend.prefill(0, q, k, v, kernel_metadata(tables, lens, starts), scale=0.125)
+    expected = prefill_attention_ref(q.double(), k.double(), v.double(), tables, lens, starts, scale=0.125)
+    assert float((out.double() - expected).norm() / expected.norm()) < 1e-6
+    fused = make_attention_backend(FlashDecodingConfig(), CPU, "cpu", cpu_attention="fused")
+    fused.allocate(cache_spec(v[None], q.shape[1], dtype=torch.float32), k[None], v[None])
+    assert "prefill: torch SDPA (cpu)" in fused.name and not fused.cpu_native_prefill
 
 
 def test_native_cpu_decode_says_what_it_cannot_take():

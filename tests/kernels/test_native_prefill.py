@@ -9,32 +9,13 @@ import torch
 from kernels.attention.cpu import prefill_attention_cpu
 from kernels.attention.reference import prefill_attention_ref
 from kernels.native.paged_prefill import library, paged_prefill_attention, unsupported
+from tests.support.paged_cache import paged_prefill_inputs, prefill_in_chunks
 
 pytestmark = pytest.mark.skipif(not library().paged_prefill_available(), reason="the CPU has no AVX512-BF16")
 
 
 def prefill_inputs(lens, q_lens, heads, kv_heads, dim, block_size, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    pages = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(pages) + 2
-    k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
-    v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
-    used = 0
-    for b, (n, count) in enumerate(zip(lens, pages, strict=True)):
-        tables[b, :count] = order[used:used + count].int()
-        used += count
-        if n % block_size:
-            last = int(tables[b, count - 1])
-            k[last, n % block_size:] = float("nan")
-            v[last, n % block_size:] = float("nan")
-    for block in order[used:]:
-        k[block] = float("nan")
-        v[block] = float("nan")
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).bfloat16()
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32), starts
+    return paged_prefill_inputs(lens, q_lens, heads, kv_heads, dim, block_size, torch.bfloat16, seed)
 
 
 def errors(inputs, scale):
@@ -77,12 +58,8 @@ def test_peaked_scores():
 def test_rows_do_not_depend_on_the_chunking():
     q, k, v, tables, lens, _ = prefill_inputs([1000], [1000], 9, 3, 64, 16, seed=2)
     whole = paged_prefill_attention(q, k, v, tables, lens, torch.tensor([0, 1000], dtype=torch.int32), scale=0.125)
-    pieces = []
-    for end in (333, 334 + 333, 1000):
-        begin = sum(p.shape[0] for p in pieces)
-        pieces.append(paged_prefill_attention(q[begin:end], k, v, tables, torch.tensor([end], dtype=torch.int32),
-                                              torch.tensor([0, end - begin], dtype=torch.int32), scale=0.125))
-    assert torch.equal(torch.cat(pieces), whole)
+    pieces = prefill_in_chunks(paged_prefill_attention, q, k, v, tables, [333, 334 + 333, 1000], scale=0.125)
+    assert torch.equal(pieces, whole)
 
 
 def test_bad_inputs_are_refused():
@@ -91,6 +68,6 @@ def test_bad_inputs_are_refused():
         paged_prefill_attention(q, k, v, tables, lens, torch.tensor([0, 50, 60], dtype=torch.int32), scale=0.1)
     with pytest.raises(ValueError, match="outside"):
         paged_prefill_attention(q, k, v, tables + k.shape[0], lens, starts, scale=0.1)
-    with pytest.raises(ValueError, match="bf16 only"):
-        paged_prefill_attention(q.float(), k.float(), v.float(), tables, lens, starts, scale=0.1)
+    with pytest.raises(ValueError, match="bf16 over bf16"):
+        paged_prefill_attention(q.half(), k.half(), v.half(), tables, lens, starts, scale=0.1)
     assert "head_dim 96" in unsupported(4, 2, 96, torch.bfloat16, torch.bfloat16)

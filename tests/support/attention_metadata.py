@@ -32,8 +32,11 @@ def planned(backend: AttentionBackend, metadata: AttentionMetadata) -> Attention
     return metadata
 
 
-def cache_spec(v_cache: torch.Tensor, num_heads: int) -> KVCacheSpec:
-    """The spec of V pages [layers, pages, BS, Hkv, D] read by layers of `num_heads` query heads."""
+def cache_spec(v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+    """The spec of V pages [layers, pages, BS, Hkv, D] read by layers of `num_heads` query heads of `dtype`
+    (default the pages')."""
     num_layers, _, block_size, num_kv_heads, head_dim = v_cache.shape
+    model_dtype = dtype or v_cache.dtype
     return KVCacheSpec(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       block_size=block_size, dtype=v_cache.dtype)
+                       block_size=block_size, dtype=model_dtype,
+                       cache_dtype=None if v_cache.dtype == model_dtype else v_cache.dtype)
