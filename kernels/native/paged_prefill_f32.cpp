@@ -159,9 +159,9 @@ template <int DIM>
 inline void span_pv(ItemState<DIM> &st, const float *vp, int64_t k0, int keys, int npv) {
     for (int pv0 = 0; pv0 < npv; pv0 += PVT)
         for (int d0 = 0; d0 < DIM; d0 += DT) {
-            vf o[DT][PVT];
+            vf o[DT][PVT];   // the span's own sums, added to the scaled accumulators after: shorter FMA chains
             for (int d = 0; d < DT; ++d)
-                for (int i = 0; i < PVT; ++i) o[d][i] = load(&st.acc[d0 + d][(pv0 + i) * W]) * st.alpha[pv0 + i];
+                for (int i = 0; i < PVT; ++i) o[d][i] = splat(0.0f);
             const float *vrow = vp + k0 * DIM + d0;
 #pragma GCC unroll 4
             for (int j = 0; j < keys; ++j) {
@@ -173,7 +173,10 @@ inline void span_pv(ItemState<DIM> &st, const float *vp, int64_t k0, int keys, i
                 }
             }
             for (int d = 0; d < DT; ++d)
-                for (int i = 0; i < PVT; ++i) simd::store(&st.acc[d0 + d][(pv0 + i) * W], o[d][i]);
+                for (int i = 0; i < PVT; ++i) {
+                    float *a = &st.acc[d0 + d][(pv0 + i) * W];
+                    simd::store(a, load(a) * st.alpha[pv0 + i] + o[d][i]);
+                }
         }
 }
 
