@@ -41,6 +41,9 @@ inline __m512 exp2_nonpositive(__m512 x) {
 
 inline int64_t blocks_of(int64_t len) { return (len + KB - 1) / KB; }
 
+// A KV head's packed K elements of a sequence of `len` tokens (its V elements, as many, follow them).
+inline int64_t head_elements(int64_t len, int dim) { return blocks_of(len) * KB * dim; }
+
 // One KV head's keys and values of one sequence, key blocks [kb_begin, kb_end), into their packed
 // layouts; rows past the sequence are zeros.
 void pack_blocks(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_table, int64_t len,
@@ -164,7 +167,7 @@ int paged_prefill_available() { return 1; }
 // The packed keys and values of every sequence: uint16 elements the caller allocates for `work`.
 int64_t paged_prefill_work_elements(const int32_t *seq_lens, int batch, int num_kv_heads, int dim) {
     int64_t total = 0;
-    for (int b = 0; b < batch; ++b) total += blocks_of(seq_lens[b]) * KB * dim * 2 * num_kv_heads;
+    for (int b = 0; b < batch; ++b) total += head_elements(seq_lens[b], dim) * 2 * num_kv_heads;
     return total;
 }
 
@@ -184,9 +187,9 @@ int paged_prefill_attention(const uint16_t *q, const uint16_t *k_cache, const ui
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
     int64_t pack_base[batch + 1];   // where each sequence's packed heads start in work
     pack_base[0] = 0;
-    auto head_elements = [&](int b) { return blocks_of(seq_lens[b]) * KB * dim; };   // K's; V's as many after
-    for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + head_elements(b) * 2 * num_kv_heads;
-    auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * head_elements(b) * 2; };
+    auto values = [&](int b) { return head_elements(seq_lens[b], dim); };   // where a head's V elements start
+    for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + values(b) * 2 * num_kv_heads;
+    auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * values(b) * 2; };
     const float scale_log2 = scale * 1.4426950408889634f;
     const int64_t stride = (int64_t)num_heads * dim;
     prefill_schedule::run(
@@ -195,7 +198,7 @@ int paged_prefill_attention(const uint16_t *q, const uint16_t *k_cache, const ui
             uint16_t *base = head_base(b, h);
             pack_blocks(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
                         seq_lens[b], kb0, kb1, block_size, token_stride, dim, (uint32_t *)base,
-                        base + head_elements(b));
+                        base + values(b));
         },
         [&](int b, int h, int64_t r0, int rows) {
             const uint16_t *base = head_base(b, h);
@@ -204,10 +207,10 @@ int paged_prefill_attention(const uint16_t *q, const uint16_t *k_cache, const ui
             float *oh = out + row * stride + (int64_t)h * group * dim;
             const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) + r0;
             if (dim == 64)
-                attend_item<64>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + head_elements(b),
+                attend_item<64>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + values(b),
                                 scale_log2, oh, stride);
             else
-                attend_item<128>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + head_elements(b),
+                attend_item<128>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + values(b),
                                  scale_log2, oh, stride);
         });
     return 0;

@@ -213,59 +213,11 @@ void attend_item(const float *q, int64_t q_row_stride, int group, int rows, int6
     }
 }
 
-template <typename T>
-int attention(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,
-              int64_t block_table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, int batch,
-              int num_heads, int num_kv_heads, int dim, int block_size, float scale, int num_threads, float *work,
-              float *out);
-
-}  // namespace
-
-extern "C" {
-
-int paged_prefill_f32_vector_width() { return W; }
-
-// Whether this build's vectors are the FMA registers the kernel was written for (AVX2 or AVX-512).
-int paged_prefill_f32_available() {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-const char *paged_prefill_f32_isa() { return simd::isa_name(); }
-
-// The packed keys and values of every sequence: floats the caller allocates for `work`.
-int64_t paged_prefill_f32_work_floats(const int32_t *seq_lens, int batch, int num_kv_heads, int dim) {
-    int64_t total = 0;
-    for (int b = 0; b < batch; ++b) total += spans_of(seq_lens[b]) * SPAN * dim * 2 * num_kv_heads;
-    return total;
-}
+// A KV head's packed K floats of a sequence of `len` tokens (its V floats, as many, follow them).
+inline int64_t head_floats(int64_t len, int dim) { return spans_of(len) * SPAN * dim; }
 
 // Rows of a work item for groups of `group` query heads.
-int paged_prefill_f32_rows_per_item(int group) { return group >= MAX_PAIRS ? 1 : MAX_PAIRS / group; }
-
-// q [T, num_heads, dim] float32; caches [blocks, block_size, num_kv_heads, dim] float32 (kv_bf16 = 0) or bf16
-// (kv_bf16 = 1); block_tables int32 rows of block_table_stride; seq_lens int32 [batch] (cached + new tokens);
-// query_start_loc int32 [batch + 1] (each sequence's new tokens, the last of its seq_lens); out [T, num_heads,
-// dim] float32. Returns 0, or -1 for shapes it does not take (dim 64 or 128, groups of at most 16).
-int paged_prefill_f32_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
-                                const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
-                                const int32_t *query_start_loc, int batch, int num_heads, int num_kv_heads,
-                                int dim, int block_size, float scale, int num_threads, float *work, float *out) {
-    if (kv_bf16)
-        return attention(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables, block_table_stride,
-                         seq_lens, query_start_loc, batch, num_heads, num_kv_heads, dim, block_size, scale,
-                         num_threads, work, out);
-    return attention(q, (const float *)k_cache, (const float *)v_cache, block_tables, block_table_stride, seq_lens,
-                     query_start_loc, batch, num_heads, num_kv_heads, dim, block_size, scale, num_threads, work,
-                     out);
-}
-
-}  // extern "C"
-
-namespace {
+inline int rows_per_item(int group) { return group >= MAX_PAIRS ? 1 : MAX_PAIRS / group; }
 
 template <typename T>
 int attention(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,
@@ -277,13 +229,13 @@ int attention(const float *q, const T *k_cache, const T *v_cache, const int32_t 
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
     int64_t pack_base[batch + 1];   // where each sequence's packed heads start in work
     pack_base[0] = 0;
-    auto values = [&](int b) { return spans_of(seq_lens[b]) * SPAN * dim; };   // a head's K rows; its V rows after
+    auto values = [&](int b) { return head_floats(seq_lens[b], dim); };   // where a head's V rows start
     for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + values(b) * 2 * num_kv_heads;
     auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * values(b) * 2; };
     const float scale_log2 = scale * 1.4426950408889634f;
     const int64_t q_stride = (int64_t)num_heads * dim;
     prefill_schedule::run(
-        seq_lens, query_start_loc, batch, num_kv_heads, paged_prefill_f32_rows_per_item(group), SPAN, 4, num_threads,
+        seq_lens, query_start_loc, batch, num_kv_heads, rows_per_item(group), SPAN, 4, num_threads,
         [&](int b, int h, int64_t s0, int64_t s1) {
             float *base = head_base(b, h);
             pack_spans(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
@@ -305,3 +257,44 @@ int attention(const float *q, const T *k_cache, const T *v_cache, const int32_t 
 }
 
 }  // namespace
+
+extern "C" {
+
+int paged_prefill_f32_vector_width() { return W; }
+
+// Whether this build's vectors are the FMA registers the kernel was written for (AVX2 or AVX-512).
+int paged_prefill_f32_available() {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+const char *paged_prefill_f32_isa() { return simd::isa_name(); }
+
+// The packed keys and values of every sequence: floats the caller allocates for `work`.
+int64_t paged_prefill_f32_work_floats(const int32_t *seq_lens, int batch, int num_kv_heads, int dim) {
+    int64_t total = 0;
+    for (int b = 0; b < batch; ++b) total += head_floats(seq_lens[b], dim) * 2 * num_kv_heads;
+    return total;
+}
+
+// q [T, num_heads, dim] float32; caches [blocks, block_size, num_kv_heads, dim] float32 (kv_bf16 = 0) or bf16
+// (kv_bf16 = 1); block_tables int32 rows of block_table_stride; seq_lens int32 [batch] (cached + new tokens);
+// query_start_loc int32 [batch + 1] (each sequence's new tokens, the last of its seq_lens); out [T, num_heads,
+// dim] float32. Returns 0, or -1 for shapes it does not take (dim 64 or 128, groups of at most 16).
+int paged_prefill_f32_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
+                                const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
+                                const int32_t *query_start_loc, int batch, int num_heads, int num_kv_heads,
+                                int dim, int block_size, float scale, int num_threads, float *work, float *out) {
+    if (kv_bf16)
+        return attention(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables, block_table_stride,
+                         seq_lens, query_start_loc, batch, num_heads, num_kv_heads, dim, block_size, scale,
+                         num_threads, work, out);
+    return attention(q, (const float *)k_cache, (const float *)v_cache, block_tables, block_table_stride, seq_lens,
+                     query_start_loc, batch, num_heads, num_kv_heads, dim, block_size, scale, num_threads, work,
+                     out);
+}
+
+}  // extern "C"
