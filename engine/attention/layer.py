@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, OutputRows
 
 
 class RotaryFn(Protocol):
@@ -78,9 +78,10 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryFn | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, rows: OutputRows | None = None) -> torch.Tensor:
         """q[T, Hq*D], k/v[T, Hkv*D] -> out[T, Hq*D]; with `rotary`, q and k are rotated at
-        `positions` first (fused with the KV store where the backend allows it)."""
+        `positions` first (fused with the KV store where the backend allows it). With `rows`, every
+        row's K/V is stored but only those rows attend: out[N, Hq*D]."""
         ctx = get_forward_context()
         meta = ctx.metadata
         if self.k_cache is None or self.v_cache is None:
@@ -105,7 +106,12 @@ class Attention(nn.Module):
             backend.store(self.layer_idx, k.view(num_tokens, self.num_kv_heads, self.head_dim),
                           v.view(num_tokens, self.num_kv_heads, self.head_dim),
                           self.k_cache, self.v_cache, meta.slot_mapping)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if rows is not None:
+            if rows.metadata is None:
+                return q.new_empty((0, self.num_heads * self.head_dim))
+            q, meta = q[rows.index], rows.metadata
+            num_tokens = q.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         if meta.is_decode_only:
             out = backend.decode(self.layer_idx, q, self.k_cache, self.v_cache, meta, scale=self.scale)
         else:

@@ -62,3 +62,22 @@ class AttentionMetadata:
     def step_shape(self) -> StepShape:
         """What the backend's plan for this step depends on."""
         return StepShape(self.num_seqs, int(self.block_tables.shape[1]), self.is_decode_only)
+
+
+@dataclass
+class OutputRows:
+    """The rows of a step whose final hidden states are read (the rows that sample), for a model that runs
+    its last layer over them alone: every row still stores its K/V there, but no other row's attention,
+    MLP or final norm is read by anything.
+
+    index[N]   the rows in the flat batch, in order
+    metadata   their attention: a prefill of one query each over everything before it (their sequences'
+               `seq_lens` and `block_tables`); None when N = 0, where the last layer only stores K/V
+    """
+
+    index: torch.Tensor
+    metadata: AttentionMetadata | None
+
+    @property
+    def empty(self) -> bool:
+        return self.metadata is None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.attention.layer import Attention
+from engine.attention.metadata import OutputRows
 from engine.model.causal_lm import CausalLM
 from engine.model.checkpoint_slice import CheckpointTensor
 from engine.model.layers import (
@@ -106,7 +107,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5, layer_idx=layer_idx)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rows: OutputRows | None = None
+                ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm and q.is_cuda:  # per head, before RoPE: q and k in one launch
@@ -115,7 +117,8 @@ class LlamaAttention(nn.Module):
             num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
-        return self.o_proj(self.attn(q, k, v, rotary=self.rotary_emb, positions=positions))
+        out = self.attn(q, k, v, rotary=self.rotary_emb, positions=positions, rows=rows)
+        return out if rows is not None and rows.empty else self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,15 +130,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rows: OutputRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `rows` (the last layer), every row stores its K/V and only those rows go on."""
         # The residual stream is carried separately so each norm can fuse the preceding add.
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, rows)
+        if rows is not None:
+            residual = residual[rows.index]
+            if rows.empty:
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -153,13 +161,17 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+                ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, output_rows if i == last else None)
         if residual is None:  # no layers
-            return self.norm(hidden)
+            return self.norm(hidden if output_rows is None else hidden[output_rows.index])
+        if output_rows is not None and output_rows.empty:
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -182,9 +194,11 @@ class LlamaForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids[T], positions[T] -> hidden[T, H] (attention metadata from forward_context)."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, output_rows: OutputRows | None = None
+                ) -> torch.Tensor:
+        """input_ids[T], positions[T] -> hidden[T, H], or [N, H] for `output_rows` (attention metadata from
+        forward_context)."""
+        return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[N, H] -> float32 logits[N, V]."""

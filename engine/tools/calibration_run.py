@@ -44,6 +44,7 @@ def run_calibration(config: FdserveConfig, output_path: Path, *, texts: list[str
     def run_forward(backend: AttentionBackend) -> None:
         saved = engine.runner.backend
         engine.runner.backend = backend
+        engine.runner.last_layer_sampled_rows_only = False   # every prompt row attends in every layer
         try:
             for text in texts:
                 tokens = engine.tokenizer.encode(text)[:limit]
@@ -55,6 +56,7 @@ def run_calibration(config: FdserveConfig, output_path: Path, *, texts: list[str
                     engine.step()
         finally:
             engine.runner.backend = saved
+            engine.runner.last_layer_sampled_rows_only = True
 
     result = calibrate(engine.model, run_forward, kv_dtype=engine.dtype, output_path=output_path,
                        model_name=engine.served_model_name)

@@ -22,7 +22,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache_spec import KVCacheSpec
 from engine.attention.layer import Attention, forward_context
-from engine.attention.metadata import AttentionCounters, AttentionMetadata
+from engine.attention.metadata import AttentionCounters, AttentionMetadata, OutputRows
 from engine.model.native_decode import NativeDecodeStep
 from engine.request.sequence import Sequence
 from engine.worker.cuda_graph import DecodeGraphs
@@ -40,6 +40,9 @@ class StepInputs:
     # (sequence, first prompt position predicted, rows lo, hi): prefill rows whose logits score the
     # next prompt token (`Sequence.needs_prompt_logprobs`)
     prompt_rows: list[tuple[Sequence, int, int, int]]
+    # A step with prefill rows and no prompt logprobs reads only its sampled rows' final hidden states:
+    # the model runs its last layer over those rows alone (None: every row goes through).
+    output_rows: OutputRows | None = None
 
 
 @dataclass
@@ -83,6 +86,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.native_decode: NativeDecodeStep | None = None   # a CPU decode step in one C++ call (worker.py sets it)
         self.num_graph_steps = 0   # decode steps served by a graph replay (the rest ran eagerly)
+        # A prefill step's last layer over its sampled rows alone (`OutputRows`); off where every row's
+        # attention in every layer is wanted (`fdserve calibrate` records them).
+        self.last_layer_sampled_rows_only = True
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         per_block, fixed = self.backend.cache_layout(self.spec, budget_bytes)
@@ -145,6 +151,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
+        sampled_at: list[int] = []   # their places in `seqs`
         prompt_rows: list[tuple[Sequence, int, int, int]] = []
         bs = self.block_size
         for seq in seqs:
@@ -164,6 +171,7 @@ class ModelRunner:
             if end == len(seq):  # the prompt is complete: this step yields a new token
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(seq)
+                sampled_at.append(len(seq_lens) - 1)
         max_blocks = max(len(seq.block_table) for seq in seqs)
         # One tensor from padded lists: a per-row tensor and copy costs more than the row itself.
         block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs],
@@ -186,8 +194,28 @@ class ModelRunner:
             query_start_loc_host=tuple(query_start_loc),
             block_tables_host=block_tables,
         )
-        return StepInputs(to_device(input_ids, torch.long, dev, asynchronous), metadata,
-                          to_device(logits_indices, torch.long, dev, asynchronous), sampled, prompt_rows)
+        rows = to_device(logits_indices, torch.long, dev, asynchronous)
+        output_rows = None
+        if self.last_layer_sampled_rows_only and not (metadata.is_decode_only or prompt_rows):
+            output_rows = OutputRows(rows, self._rows_metadata(
+                sampled_at, [positions[i] for i in logits_indices], [slot_mapping[i] for i in logits_indices],
+                seq_lens, block_tables, metadata.counters) if sampled_at else None)
+        return StepInputs(to_device(input_ids, torch.long, dev, asynchronous), metadata, rows, sampled, prompt_rows,
+                          output_rows)
+
+    def _rows_metadata(self, seq_at: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+                       block_tables: torch.Tensor, counters: AttentionCounters) -> AttentionMetadata:
+        """One query row for each sequence at `seq_at`, its last, over everything before it (already stored);
+        what its attention counts goes to the step's `counters`."""
+        dev = self.device
+        lens = [seq_lens[i] for i in seq_at]
+        starts = list(range(len(seq_at) + 1))
+        tables = block_tables[seq_at]
+        return AttentionMetadata(
+            positions=to_device(positions, torch.long, dev), slot_mapping=to_device(slots, torch.long, dev),
+            query_start_loc=to_device(starts, torch.int32, dev), seq_lens=to_device(lens, torch.int32, dev),
+            block_tables=host_to_device(tables, dev), max_query_len=1, is_decode_only=False, counters=counters,
+            seq_lens_host=tuple(lens), query_start_loc_host=tuple(starts), block_tables_host=tables)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> ExecuteResult:
@@ -210,6 +238,9 @@ class ModelRunner:
                 return replayed
         step = self.prepare(seqs)
         step.metadata.plan = self.backend.plan(step.metadata.step_shape)   # once for every layer of the step
+        rows_metadata = step.output_rows.metadata if step.output_rows is not None else None
+        if rows_metadata is not None:
+            rows_metadata.plan = self.backend.plan(rows_metadata.step_shape)
         if input_ids is not None:
             step.input_ids = input_ids.to(self.device)
         native = self.native_decode
@@ -217,9 +248,11 @@ class ModelRunner:
             if native is not None and decode and native.takes(len(seqs)) and not step.prompt_rows:
                 hidden = native.forward(step.input_ids, step.metadata)
             else:
-                hidden = self.model(step.input_ids, step.metadata.positions)
+                hidden = self.model(step.input_ids, step.metadata.positions, step.output_rows)
+            # `hidden` holds the sampled rows alone where the model ran its last layer over them (output_rows)
+            sampled_hidden = hidden if step.output_rows is not None else hidden[step.logits_indices]
             # inside the step, so that a decode step's rows take the LM head's decode weight
-            logits = self._compute_logits(hidden[step.logits_indices]) if step.sampled_seqs else None
+            logits = self._compute_logits(sampled_hidden) if step.sampled_seqs else None
         prompt_hidden = [PromptHidden(seq, first, hidden[lo:hi]) for seq, first, lo, hi in step.prompt_rows]
         if logits is None:
             return ExecuteResult(torch.empty(0), [], step.metadata.counters, prompt_hidden)

@@ -178,7 +178,8 @@ def test_auto_step_below_the_crossover_runs_the_flash_plan(monkeypatch):
 
 
 def test_the_model_runner_plans_every_eager_step_once(tmp_path, monkeypatch):
-    """Each forward: the backend's page bookkeeping and its plan once, for the step's shape."""
+    """Each forward: the backend's page bookkeeping and its plan once, for the step's shape; a prefill step
+    that samples plans its last layer's sampled rows too."""
     from engine import LLM, SamplingParams
     from tests.support.tiny_models import make_tiny_model
     llm = LLM(model=make_tiny_model(tmp_path, "llama"), block_size=16, num_kv_blocks=64, gpu_vendor="cpu")
@@ -195,5 +196,7 @@ def test_the_model_runner_plans_every_eager_step_once(tmp_path, monkeypatch):
             return _original(arg, *args, **kwargs)
         monkeypatch.setattr(obj, name, recorded)
     llm.generate([list(range(3, 40)), [8, 9]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(executed) > 1 and prepared == executed == [shape.num_seqs for shape in shapes]
-    assert not shapes[0].decode_only and shapes[-1] == StepShape(num_seqs=2, table_width=3, decode_only=True)
+    prefill, rows, *decodes = shapes
+    assert len(executed) > 1 and prepared == executed == [shape.num_seqs for shape in (prefill, *decodes)]
+    assert not prefill.decode_only and rows == StepShape(num_seqs=2, table_width=3, decode_only=False)
+    assert decodes[-1] == StepShape(num_seqs=2, table_width=3, decode_only=True)
