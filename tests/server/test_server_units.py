@@ -125,7 +125,8 @@ def test_fallback_messages_put_tools_in_the_system_prompt():
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     out = fallback_messages(messages, TOOLS)
     assert out[0]["content"].startswith("Be brief.") and "<tools>" in out[0]["content"]
-    assert '"get_weather"' in out[0]["content"]
+    listed = out[0]["content"].split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert listed == [json.dumps(t["function"], separators=(",", ":")) for t in TOOLS]   # one compact line each
     assert out[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert "tool_calls" not in out[2]
     assert out[3]["content"] == "<tool_response>\nsunny\n</tool_response>"
