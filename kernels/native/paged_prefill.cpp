@@ -166,9 +166,8 @@ int paged_prefill_available() { return 1; }
 
 // The packed keys and values of every sequence: uint16 elements the caller allocates for `work`.
 int64_t paged_prefill_work_elements(const int32_t *seq_lens, int batch, int num_kv_heads, int dim) {
-    int64_t total = 0;
-    for (int b = 0; b < batch; ++b) total += head_elements(seq_lens[b], dim) * 2 * num_kv_heads;
-    return total;
+    return prefill_schedule::packed_size(seq_lens, batch, num_kv_heads,
+                                         [dim](int64_t len) { return head_elements(len, dim); });
 }
 
 // Rows of a work item for groups of `group` query heads.
@@ -185,33 +184,28 @@ int paged_prefill_attention(const uint16_t *q, const uint16_t *k_cache, const ui
     const int group = num_heads / num_kv_heads;
     if ((dim != 64 && dim != 128) || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
-    int64_t pack_base[batch + 1];   // where each sequence's packed heads start in work
-    pack_base[0] = 0;
-    auto values = [&](int b) { return head_elements(seq_lens[b], dim); };   // where a head's V elements start
-    for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + values(b) * 2 * num_kv_heads;
-    auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * values(b) * 2; };
+    const prefill_schedule::PackedHeads<uint16_t> heads(work, seq_lens, batch, num_kv_heads,
+                                                        [dim](int64_t len) { return head_elements(len, dim); });
     const float scale_log2 = scale * 1.4426950408889634f;
     const int64_t stride = (int64_t)num_heads * dim;
     prefill_schedule::run(
         seq_lens, query_start_loc, batch, num_kv_heads, paged_prefill_rows_per_item(group), KB, 8, num_threads,
         [&](int b, int h, int64_t kb0, int64_t kb1) {
-            uint16_t *base = head_base(b, h);
             pack_blocks(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
-                        seq_lens[b], kb0, kb1, block_size, token_stride, dim, (uint32_t *)base,
-                        base + values(b));
+                        seq_lens[b], kb0, kb1, block_size, token_stride, dim, (uint32_t *)heads.keys(b, h),
+                        heads.values(b, h));
         },
         [&](int b, int h, int64_t r0, int rows) {
-            const uint16_t *base = head_base(b, h);
+            const uint32_t *keys = (const uint32_t *)heads.keys(b, h);
+            const uint16_t *values = heads.values(b, h);
             const int64_t row = query_start_loc[b] + r0;
             const uint16_t *qh = q + row * stride + (int64_t)h * group * dim;
             float *oh = out + row * stride + (int64_t)h * group * dim;
             const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) + r0;
             if (dim == 64)
-                attend_item<64>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + values(b),
-                                scale_log2, oh, stride);
+                attend_item<64>(qh, stride, group, rows, first_pos, keys, values, scale_log2, oh, stride);
             else
-                attend_item<128>(qh, stride, group, rows, first_pos, (const uint32_t *)base, base + values(b),
-                                 scale_log2, oh, stride);
+                attend_item<128>(qh, stride, group, rows, first_pos, keys, values, scale_log2, oh, stride);
         });
     return 0;
 }

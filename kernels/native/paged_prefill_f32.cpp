@@ -227,31 +227,26 @@ int attention(const float *q, const T *k_cache, const T *v_cache, const int32_t 
     const int group = num_heads / num_kv_heads;
     if ((dim != 64 && dim != 128) || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1;
     const int64_t token_stride = (int64_t)num_kv_heads * dim;
-    int64_t pack_base[batch + 1];   // where each sequence's packed heads start in work
-    pack_base[0] = 0;
-    auto values = [&](int b) { return head_floats(seq_lens[b], dim); };   // where a head's V rows start
-    for (int b = 0; b < batch; ++b) pack_base[b + 1] = pack_base[b] + values(b) * 2 * num_kv_heads;
-    auto head_base = [&](int b, int h) { return work + pack_base[b] + (int64_t)h * values(b) * 2; };
+    const prefill_schedule::PackedHeads<float> heads(work, seq_lens, batch, num_kv_heads,
+                                                     [dim](int64_t len) { return head_floats(len, dim); });
     const float scale_log2 = scale * 1.4426950408889634f;
     const int64_t q_stride = (int64_t)num_heads * dim;
     prefill_schedule::run(
         seq_lens, query_start_loc, batch, num_kv_heads, rows_per_item(group), SPAN, 4, num_threads,
         [&](int b, int h, int64_t s0, int64_t s1) {
-            float *base = head_base(b, h);
             pack_spans(k_cache + (int64_t)h * dim, v_cache + (int64_t)h * dim, block_tables + b * block_table_stride,
-                       seq_lens[b], s0, s1, block_size, token_stride, dim, base, base + values(b));
+                       seq_lens[b], s0, s1, block_size, token_stride, dim, heads.keys(b, h), heads.values(b, h));
         },
         [&](int b, int h, int64_t r0, int rows) {
-            const float *base = head_base(b, h);
+            const float *keys = heads.keys(b, h), *values = heads.values(b, h);
             const int64_t row = query_start_loc[b] + r0;
             const float *qh = q + row * q_stride + (int64_t)h * group * dim;
             float *oh = out + row * q_stride + (int64_t)h * group * dim;
             const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]) + r0;
             if (dim == 64)
-                attend_item<64>(qh, q_stride, group, rows, first_pos, base, base + values(b), scale_log2, oh, q_stride);
+                attend_item<64>(qh, q_stride, group, rows, first_pos, keys, values, scale_log2, oh, q_stride);
             else
-                attend_item<128>(qh, q_stride, group, rows, first_pos, base, base + values(b), scale_log2, oh,
-                                 q_stride);
+                attend_item<128>(qh, q_stride, group, rows, first_pos, keys, values, scale_log2, oh, q_stride);
         });
     return 0;
 }
@@ -275,9 +270,8 @@ const char *paged_prefill_f32_isa() { return simd::isa_name(); }
 
 // The packed keys and values of every sequence: floats the caller allocates for `work`.
 int64_t paged_prefill_f32_work_floats(const int32_t *seq_lens, int batch, int num_kv_heads, int dim) {
-    int64_t total = 0;
-    for (int b = 0; b < batch; ++b) total += head_floats(seq_lens[b], dim) * 2 * num_kv_heads;
-    return total;
+    return prefill_schedule::packed_size(seq_lens, batch, num_kv_heads,
+                                         [dim](int64_t len) { return head_floats(len, dim); });
 }
 
 // q [T, num_heads, dim] float32; caches [blocks, block_size, num_kv_heads, dim] float32 (kv_bf16 = 0) or bf16

@@ -3,8 +3,40 @@
 // (the last rows) first so that dynamic scheduling ends evenly. A kernel supplies its packing and its item.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace prefill_schedule {
+
+// The work elements the packed heads of every sequence take: each KV head's K elements and as many V elements,
+// `head_size(len)` apiece for a sequence of `len` tokens (whole units of keys).
+template <typename HeadSize>
+int64_t packed_size(const int32_t *seq_lens, int batch, int num_kv_heads, HeadSize head_size) {
+    int64_t total = 0;
+    for (int b = 0; b < batch; ++b) total += head_size(seq_lens[b]) * 2 * num_kv_heads;
+    return total;
+}
+
+// Where those elements sit in the work buffer: every sequence's KV heads one after another, a head's K then its V.
+template <typename T>
+class PackedHeads {
+  public:
+    template <typename HeadSize>
+    PackedHeads(T *work, const int32_t *seq_lens, int batch, int num_kv_heads, HeadSize head_size)
+        : work_(work), size_(batch), base_(batch) {
+        int64_t at = 0;
+        for (int b = 0; b < batch; ++b) {
+            size_[b] = head_size(seq_lens[b]);
+            base_[b] = at;
+            at += size_[b] * 2 * num_kv_heads;
+        }
+    }
+    T *keys(int b, int h) const { return work_ + base_[b] + (int64_t)h * size_[b] * 2; }
+    T *values(int b, int h) const { return keys(b, h) + size_[b]; }
+
+  private:
+    T *work_;
+    std::vector<int64_t> size_, base_;
+};
 
 // pack(b, h, unit_begin, unit_end): units of `unit_keys` keys of sequence b's KV head h, [unit_begin, unit_end);
 // attend(b, h, r0, rows): rows [r0, r0 + rows) of sequence b's new tokens with KV head h.
