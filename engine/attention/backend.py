@@ -34,6 +34,7 @@ class AttentionBackend(abc.ABC):
     variant: str         # the algorithm family: "reference", "standard", "flash", "fdpp", "ffd", "auto"
     fuse_rope_store: bool = False
     kv_scales: KVScales | None = None   # FP8 pages' per-(layer, KV head) scales, set by `allocate`
+    prefill_prefix_keys: int = 0        # a chunk over this many cached keys takes a path of its own (0: none)
 
     # ----- cache (engine and model runner, at startup) -----------------------------------------
     def page_size(self, configured: int) -> int:

@@ -228,6 +228,7 @@ class DenseBackend(AttentionBackend):
         wanted = self.triton and self.prefill_prefix == "auto" and min_keys > 0 and not self.cudnn_prefix
         if wanted and cudnn_prefix_available(spec.dtype, spec.kv_dtype, spec.head_dim, v_cache.device):
             self.cudnn_prefix = True   # allocate may run again (a new cache): the name says it once
+            self.prefill_prefix_keys = min_keys
             warm_up_cudnn(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, v_cache.device)
             self.name += f"; cached prefixes of >= {min_keys} keys attended by cuDNN first"
         if is_fp8(spec.kv_dtype) and self.kv_scales is None:

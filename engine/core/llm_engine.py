@@ -27,6 +27,7 @@ from engine.core.inflight import InFlightStep, copy_to_host
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.step_isolation import StepIsolation
+from engine.core.warm_up import warm_up_prefill
 from engine.model.context_len import resolve_context_len
 from engine.model.loader import resolve_model_dir
 from engine.model.sharding import check_tensor_parallel_sizes
@@ -87,6 +88,8 @@ class LLMEngine:
                     "decode: %s", self.served_model_name, self.model_dir, self.device,
                     f" x {tp} ranks (tensor parallel)" if tp > 1 else "", self.dtype, self.max_context_len,
                     num_blocks, block_size, self.kv_cache_text, self.backend.name, self.graphs_text)
+        if self.device.type == "cuda":
+            warm_up_prefill(self)
 
     # ----- construction helpers -------------------------------------------------------------
     def _start_ranks(self, hf_config: PretrainedConfig) -> tuple[Worker, StepRunner]:
@@ -300,6 +303,14 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the other ranks, if any (idempotent)."""
         self.step_runner.close()
+
+    def reset_counters(self) -> None:
+        """Zero what `stats` and the bench count (after the startup warm-up)."""
+        self.block_manager.prefix_cache_queries = self.block_manager.prefix_cache_hits = 0
+        self.scheduler.num_preemptions = 0
+        self.num_forwarded_tokens = 0
+        self.attention_counters = {}
+        self.runner.num_graph_steps = 0
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
