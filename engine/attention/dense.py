@@ -17,8 +17,8 @@ On the CPU `[backend] cpu_attention` picks:
 (`kernels.attention.cpu`: split-KV is a GPU parallelisation, its merge is exact, so the result is
 the same softmax); "native" decodes through the C++ paged kernel instead (`kernels.native`, built
 for this CPU when the cache is allocated; its splits are merged exactly too), and prefills through
-the C++ bf16 kernel where the pages are bf16 and the CPU has AVX512-BF16, and for a bf16 model sets
-`fuse_rope_store` (RoPE and the KV store as one C++ call); "auto" (default) is
+the C++ kernels (bf16 pages on AVX512-BF16, float32 pages on AVX2 or AVX-512), and for a bf16 or
+float32 model sets `fuse_rope_store` (RoPE and the KV store as one C++ call); "auto" (default) is
 native where the kernel builds and takes the pages, else fused, and logs why. "fdpp" keeps its
 unified-max reference, whose arithmetic differs. "reference" runs the torch reference of every
 algorithm (split and merge, unified max). `backend.name` says exactly which.
@@ -247,7 +247,7 @@ class DenseBackend(AttentionBackend):
             reason = str(exc)
         if reason is None:
             self.cpu_native = True
-            if spec.dtype == spec.kv_dtype == torch.bfloat16 and _native_rope_builds():
+            if spec.dtype == spec.kv_dtype and spec.dtype in native_rope.ROW_DTYPES and _native_rope_builds():
                 self.fuse_rope_store = True      # RotaryEmbedding.rotate_and_store: one C++ call on the CPU
             try:
                 prefill_reason = native_prefill_unsupported(spec.num_heads, spec.num_kv_heads, spec.head_dim,

@@ -192,10 +192,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps)
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if native_rms_norm.takes(x, self.weight):   # bf16 rows: one C++ call with the torch form's bits
+        if native_rms_norm.takes(x, self.weight):   # bf16 / float32 rows: one C++ call with the torch form's bits
             lanes = native_rms_norm.torch_order_lanes()
             if lanes is not None:
-                return native_rms_norm.rms_norm_bf16(x, self.weight, self.eps, residual, lanes=lanes)
+                return native_rms_norm.rms_norm_rows(x, self.weight, self.eps, residual, lanes=lanes)
         return native_rms_norm.rms_norm_torch(x, self.weight, self.eps, residual)
 
 
@@ -287,7 +287,7 @@ class RotaryEmbedding(nn.Module):
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The rotated q; rotated k and v written into the paged caches at slot_mapping (GPU, one
         launch: kernels/fused.py; FP8 caches with their per-head scales). On the CPU one C++ call for
-        bf16 rows and pages (kernels/native/rope_store.py), else the rotation and the store in torch."""
+        bf16 or float32 rows and pages (kernels/native/rope_store.py), else the rotation and the store in torch."""
         if not q.is_cuda:
             if k_scale is None and native_rope.takes(q, k, v, k_cache, v_cache, self.cos_cache, self.sin_cache):
                 checked = self._checked_rows   # every layer of a step passes the same positions and slots
@@ -295,7 +295,7 @@ class RotaryEmbedding(nn.Module):
                     native_rope.check_rows(positions, slot_mapping, self.cos_cache.shape[0],
                                            k_cache.shape[0] * k_cache.shape[1])
                     self._checked_rows = (positions, slot_mapping)
-                return native_rope.rope_store_bf16(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
+                return native_rope.rope_store_rows(positions, q, k, v, self.cos_cache, self.sin_cache, self.head_dim,
                                                    self.rotary_dim, k_cache, v_cache, slot_mapping, rows_checked=True)
             q, k = self(positions, q, k)
             shape = (q.shape[0], -1, self.head_dim)

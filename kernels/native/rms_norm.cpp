@@ -1,6 +1,6 @@
-// RMSNorm over bf16 rows on the CPU, optionally adding a residual first, in one call: what torch runs as
-// eight or nine small ops (each a dispatch), bit for bit. The residual sum is rounded to bf16, the norm is
-// float32, x / rms is rounded to bf16 before the weight, the product is rounded to bf16. The sum of squares
+// RMSNorm over bf16 or float32 rows on the CPU, optionally adding a residual first, in one call: what torch
+// runs as six to nine small ops (each a dispatch), bit for bit. The residual sum is rounded to the rows' type,
+// the norm is float32, x / rms is rounded to the rows' type before the weight, the product too. The sum of squares
 // is added in the order torch's CPU sum adds a contiguous float row: `lanes`-wide partial sums over four
 // interleaved streams of vectors, each stream summed in a cascade of up to four levels, the streams then
 // folded into the first, leftover scalars first and then the lanes in order. The Python side checks the
@@ -27,14 +27,15 @@ int ceil_log2(int64_t n) {
     return bits;
 }
 
-// The sum of v[0, n) in torch's order for `lanes`-wide vectors.
-float torch_order_sum(const float *v, int64_t n, int lanes) {
+// The sum of v[0, n) in torch's order for `lanes`-wide vectors (a template argument: the lane loops vectorize).
+template <int lanes>
+float torch_order_sum(const float *v, int64_t n) {
     const int64_t vectors = n / lanes;
     const int64_t per_stream = vectors / STREAMS;
     const int level_power = ceil_log2(per_stream) / LEVELS > 4 ? ceil_log2(per_stream) / LEVELS : 4;
     const int64_t level_step = (int64_t)1 << level_power;
     const int64_t level_mask = level_step - 1;
-    float acc[LEVELS][STREAMS][MAX_LANES] = {};
+    float acc[LEVELS][STREAMS][lanes] = {};
     auto add_vector = [&](float *into, int64_t vector) {
         for (int l = 0; l < lanes; ++l) into[l] += v[vector * lanes + l];
     };
@@ -65,33 +66,41 @@ float torch_order_sum(const float *v, int64_t n, int lanes) {
     return total;
 }
 
-void norm_row(const uint16_t *x, const uint16_t *residual, uint16_t *out, uint16_t *sum_out, const uint16_t *weight,
-              int hidden, float eps, int lanes, float *squares) {
-    for (int i = 0; i < hidden; ++i) {
-        float v = bf16::widen(x[i]);
-        if (residual) {
-            const uint16_t s = bf16::round(v + bf16::widen(residual[i]));
-            sum_out[i] = s;
-            v = bf16::widen(s);
-        }
-        squares[i] = v * v;
-    }
-    const float mean = torch_order_sum(squares, hidden, lanes) / (float)hidden;
-    const float inv = 1.0f / std::sqrt(mean + eps);
-    const uint16_t *src = residual ? sum_out : x;
-    for (int i = 0; i < hidden; ++i)
-        out[i] = bf16::round(bf16::widen(weight[i]) * bf16::widen(bf16::round(bf16::widen(src[i]) * inv)));
+// The rows' element type to float32 and back (rounded to nearest even for bf16, as torch's casts).
+inline float to_float(uint16_t h) { return bf16::widen(h); }
+inline float to_float(float f) { return f; }
+inline void from_float(float f, uint16_t &out) { out = bf16::round(f); }
+inline void from_float(float f, float &out) { out = f; }
+
+template <typename Elem>
+float rounded(float f) {
+    Elem e;
+    from_float(f, e);
+    return to_float(e);
 }
 
-}  // namespace
+template <typename Elem>
+void norm_row(const Elem *__restrict x, const Elem *__restrict residual, Elem *__restrict out,
+              Elem *__restrict sum_out, const Elem *__restrict weight, int hidden, float eps, int lanes,
+              float *__restrict squares) {
+    if (residual) {
+        for (int i = 0; i < hidden; ++i) {
+            const float v = rounded<Elem>(to_float(x[i]) + to_float(residual[i]));
+            from_float(v, sum_out[i]);
+            squares[i] = v * v;
+        }
+    } else {
+        for (int i = 0; i < hidden; ++i) squares[i] = to_float(x[i]) * to_float(x[i]);
+    }
+    const float sum = lanes == 8 ? torch_order_sum<8>(squares, hidden) : torch_order_sum<16>(squares, hidden);
+    const float inv = 1.0f / std::sqrt(sum / (float)hidden + eps);
+    const Elem *src = residual ? sum_out : x;
+    for (int i = 0; i < hidden; ++i) from_float(to_float(weight[i]) * rounded<Elem>(to_float(src[i]) * inv), out[i]);
+}
 
-extern "C" {
-
-// x, out [rows, hidden] bf16 (x's rows x_stride elements apart); residual and sum_out (x + residual) null or
-// [rows, hidden] contiguous; weight [hidden] bf16; lanes 8 or 16. Returns 0, or -1 for lanes or hidden it
-// does not take (hidden at most 16384).
-int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *out, uint16_t *sum_out,
-                  const uint16_t *weight, int64_t rows, int hidden, float eps, int lanes, int num_threads) {
+template <typename Elem>
+int norm_rows(const Elem *x, int64_t x_stride, const Elem *residual, Elem *out, Elem *sum_out, const Elem *weight,
+              int64_t rows, int hidden, float eps, int lanes, int num_threads) {
     if ((lanes != 8 && lanes != 16) || hidden <= 0 || hidden > MAX_HIDDEN) return -1;
     auto rows_from = [&](int64_t begin, int64_t end, int64_t step) {
         float squares[MAX_HIDDEN];
@@ -108,6 +117,23 @@ int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
     return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// x, out [rows, hidden] (x's rows x_stride elements apart); residual and sum_out (x + residual) null or
+// [rows, hidden] contiguous; weight [hidden]; all bf16, or all float32; lanes 8 or 16. Returns 0, or -1 for
+// lanes or hidden it does not take (hidden at most 16384).
+int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual, uint16_t *out, uint16_t *sum_out,
+                  const uint16_t *weight, int64_t rows, int hidden, float eps, int lanes, int num_threads) {
+    return norm_rows(x, x_stride, residual, out, sum_out, weight, rows, hidden, eps, lanes, num_threads);
+}
+
+int rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *out, float *sum_out,
+                 const float *weight, int64_t rows, int hidden, float eps, int lanes, int num_threads) {
+    return norm_rows(x, x_stride, residual, out, sum_out, weight, rows, hidden, eps, lanes, num_threads);
+}
+
 // The float32 mean of each row's squares [rows], as the norm computes it (for the check against torch).
 int rms_mean_of_squares(const uint16_t *x, int64_t x_stride, int64_t rows, int hidden, int lanes, float *out) {
     if ((lanes != 8 && lanes != 16) || hidden <= 0 || hidden > MAX_HIDDEN) return -1;
@@ -117,7 +143,7 @@ int rms_mean_of_squares(const uint16_t *x, int64_t x_stride, int64_t rows, int h
             const float v = bf16::widen(x[r * x_stride + i]);
             squares[i] = v * v;
         }
-        out[r] = torch_order_sum(squares, hidden, lanes) / (float)hidden;
+        out[r] = (lanes == 8 ? torch_order_sum<8>(squares, hidden) : torch_order_sum<16>(squares, hidden)) / (float)hidden;
     }
     return 0;
 }
