@@ -230,7 +230,8 @@ class DenseBackend(AttentionBackend):
             self.cudnn_prefix = True   # allocate may run again (a new cache): the name says it once
             self.prefill_prefix_keys = min_keys
             warm_up_cudnn(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, v_cache.device)
-            self.name += f"; cached prefixes of >= {min_keys} keys attended by cuDNN first"
+            dequantized = " (dequantized)" if is_fp8(spec.kv_dtype) else ""
+            self.name += f"; cached prefixes of >= {min_keys} keys attended by cuDNN first{dequantized}"
         if is_fp8(spec.kv_dtype) and self.kv_scales is None:
             self.kv_scales = kv_scales(spec.kv_dtype, spec.num_layers, spec.num_kv_heads, v_cache.device,
                                        self.scale_file)
@@ -364,7 +365,7 @@ class DenseBackend(AttentionBackend):
             return prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                      metadata.query_start_loc, scale=scale,
                                      max_query_len=metadata.max_query_len, config=config,
-                                     seed=self._prefix_seed(q, k_cache, v_cache, metadata, scale, config),
+                                     seed=self._prefix_seed(layer_idx, q, k_cache, v_cache, metadata, scale, config),
                                      **self._scales(layer_idx))
         if self.cpu_native_prefill:
             return paged_prefill_attention(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
@@ -375,7 +376,7 @@ class DenseBackend(AttentionBackend):
         return reference.prefill_attention_ref(q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
                                                metadata.query_start_loc, scale=scale, **self._scales(layer_idx))
 
-    def _prefix_seed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _prefix_seed(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      metadata: AttentionMetadata, scale: float, config: PrefillConfig) -> PrefixSeed | None:
         """cuDNN over the long cached prefixes of this step's chunks (which ones: once per step)."""
         if not (self.cudnn_prefix and metadata.seq_lens_host):
@@ -388,7 +389,8 @@ class DenseBackend(AttentionBackend):
             plan = plan_prefix(spans, metadata.num_seqs, q.device, metadata.block_tables_host,
                                k_cache.shape[1]) if spans else None
             self._prefix = (metadata, plan)
-        return None if plan is None else prefix_seed(q, k_cache, v_cache, metadata.block_tables, plan, scale)
+        return None if plan is None else prefix_seed(q, k_cache, v_cache, metadata.block_tables, plan, scale,
+                                                     **self._scales(layer_idx))
 
 
 def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -168,7 +168,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     when omitted it is read from `query_start_loc` (one device sync). FP8 pages come with their
     per-head float32 `k_scale` / `v_scale` [Hkv]. `config` defaults to the vendor's for this head_dim.
     `seed` (`kernels.attention.prefix`): each sequence's keys before its `key_start` already attended,
-    the kernel folds in the rest; key starts on the config's KV tiles, pages of the model dtype.
+    the kernel folds in the rest; key starts on the config's KV tiles.
     """
     check_scales(k_cache, k_scale, "prefill attention")
     check_scales(v_cache, v_scale, "prefill attention")
@@ -191,7 +191,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tokens = block_m // pack
     grid = (num_heads // pack, triton.cdiv(max_query_len, tokens), batch)
     if seed is not None:
-        check_seed(seed, q, k_cache, batch, cfg.block_n)
+        check_seed(seed, q, batch, cfg.block_n)
     descriptors = tma_descriptors(k_cache, v_cache, cfg.block_n, cfg.tma)
     k_desc, v_desc = descriptors or (k_cache, v_cache)
     _prefill_kernel[grid](
@@ -208,11 +208,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def check_seed(seed: PrefixSeed, q: torch.Tensor, k_cache: torch.Tensor, batch: int, block_n: int) -> None:
+def check_seed(seed: PrefixSeed, q: torch.Tensor, batch: int, block_n: int) -> None:
     """What the kernel assumes of a seed: rows and heads of `q`, one key start per sequence on a KV tile
-    boundary, and pages of real values (an FP8 seed would need its V scale undone)."""
-    if is_fp8(k_cache.dtype):
-        raise ValueError("prefill attention: a prefix seed over FP8 pages is not supported")
+    boundary (over FP8 pages, its `out` in units of V's codes: `prefix_seed` hands it so)."""
     if seed.out.shape != q.shape or seed.out.stride() != q.stride() or seed.lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"prefill attention: seed out {tuple(seed.out.shape)} / lse {tuple(seed.lse.shape)} "
                          f"do not match q {tuple(q.shape)}")

@@ -8,7 +8,9 @@ consecutive blocks, else gathered), attended by cuDNN with its log-sum-exp, and 
 `prefill_attention` as a `PrefixSeed`: each row's softmax state over keys [0, key_start), from which
 the kernel folds in the rest (the chunk's own causal part). The two parts merge exactly: a state
 (max = lse, denominator = 1, accumulator = normalised out) is what the online softmax would hold
-after those keys.
+after those keys. Over FP8 pages the prefix is dequantized to the queries' dtype for cuDNN, and the seed's
+output is handed over in units of V's codes (divided by V's per-head scale), as the kernel's own
+accumulator is: the kernel multiplies both by that scale at the end.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.attention.kv_quant import dequantize_kv, is_fp8
 from kernels.attention.page_runs import PageRun, page_runs, run_view
 from kernels.attention.reference import gather_kv_ref
 from kernels.host_copy import to_device
@@ -121,27 +124,35 @@ def _single_run(block_table: torch.Tensor, num_tokens: int, block_size: int) -> 
     return runs[0] if len(runs) == 1 else None
 
 
-def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpan) -> torch.Tensor:
+def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpan,
+                 kv_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The span's keys [0, key_start) of `cache` as [key_start, Hkv, D]: a view of its pages when they are
-    one run of blocks, else a gathered copy."""
-    if span.run is None:
-        return gather_kv_ref(cache, block_table, span.key_start)
-    return run_view(cache, span.run)
+    one run of blocks, else a gathered copy; FP8 pages (with their per-head `kv_scale`) dequantized to `dtype`."""
+    tokens = (gather_kv_ref(cache, block_table, span.key_start) if span.run is None
+              else run_view(cache, span.run))
+    return tokens if kv_scale is None else dequantize_kv(tokens, kv_scale, dtype or torch.float32)
 
 
 def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                plan: PrefixPlan, scale: float, attend: PrefixAttend = prefix_attention_cudnn) -> PrefixSeed:
+                plan: PrefixPlan, scale: float, attend: PrefixAttend = prefix_attention_cudnn, *,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> PrefixSeed:
     """Attend each span's rows over its prefix (`prefix_pages`) with `attend`; the seed for `prefill_attention`.
-    Rows outside every span keep lse = -inf (the kernel reads no `out` for them)."""
+    Rows outside every span keep lse = -inf (the kernel reads no `out` for them). FP8 pages come with their
+    per-head scales; the seed's `out` is then in units of V's codes."""
+    if is_fp8(k_cache.dtype) and (k_scale is None or v_scale is None):
+        raise ValueError("prefix seed: FP8 pages need their per-head k_scale and v_scale")
     num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     for span in plan.spans:
-        k = prefix_pages(k_cache, block_tables[span.seq], span)
-        v = prefix_pages(v_cache, block_tables[span.seq], span)
+        k = prefix_pages(k_cache, block_tables[span.seq], span, k_scale, q.dtype)
+        v = prefix_pages(v_cache, block_tables[span.seq], span, v_scale, q.dtype)
         rows_out, rows_lse = attend(q[span.q_start:span.q_end], k, v, scale)
         out[span.q_start:span.q_end] = rows_out
         lse[:, span.q_start:span.q_end] = rows_lse
+    if v_scale is not None:
+        per_head = v_scale.to(torch.float32).repeat_interleave(num_heads // v_scale.shape[0])
+        out = (out.float() / per_head[None, :, None]).to(q.dtype)
     return PrefixSeed(out, lse, plan)
 
 
@@ -151,11 +162,13 @@ CUDNN_HEAD_DIMS = (64, 128)
 
 def cudnn_prefix_available(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether `prefix_attention_cudnn` runs here: an NVIDIA GPU of compute capability 9.0+ with cuDNN's
-    attention enabled in torch, half-precision pages of the model dtype, a tested head size."""
+    attention enabled in torch, a half-precision model over pages of its dtype or FP8 (dequantized for cuDNN),
+    a tested head size."""
     if device.type != "cuda" or torch.version.hip or not torch.backends.cudnn.is_available():
         return False
     return (torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(device)[0] >= 9
-            and dtype in (torch.bfloat16, torch.float16) and kv_dtype == dtype and head_dim in CUDNN_HEAD_DIMS)
+            and dtype in (torch.bfloat16, torch.float16) and (kv_dtype == dtype or is_fp8(kv_dtype))
+            and head_dim in CUDNN_HEAD_DIMS)
 
 
 def warm_up_cudnn(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -10,6 +10,13 @@ from kernels import decode_attention, decode_reference, prefill_attention, prefi
 from kernels.attention import cpu
 from kernels.attention.fdpp import new_stats
 from kernels.attention.kv_quant import dequantize_kv, fp8_max, quantize_kv
+from kernels.attention.prefix import (
+    plan_prefix,
+    prefix_attention_cudnn,
+    prefix_attention_ref,
+    prefix_seed,
+    prefix_spans,
+)
 from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 from tests.support.paged_cache import shuffled_tables
 
@@ -202,3 +209,38 @@ def test_store_rounds_every_value_like_torch(kv_dtype):
     store_kv(rows.to(DEVICE), rows.to(DEVICE), k, v, slots.to(DEVICE), k_scale=scale.to(DEVICE),
              v_scale=scale.to(DEVICE))
     assert torch.equal(k.cpu().float(), ref_k.float())
+
+
+SEEDED = PrefillConfig(block_m=32, block_n=16, num_stages=1, pack=4)
+
+
+@pytest.mark.parametrize("kv_dtype", [*FP8, *FNUZ])
+def test_prefill_seeded_by_the_prefix_over_fp8_pages(kv_dtype):
+    """Seq 0's cached prefix is attended outside the kernel over the dequantized pages (cuDNN on a GPU of
+    compute capability 9.0+, the float32 reference elsewhere) and the kernel folds in the rest from that
+    state; seq 1 (a first turn) and seq 2 (one row after a page) have no span."""
+    lens, q_lens = [100, 40, 17], [37, 40, 1]
+    _, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch(lens, 8, 2, 64, 16, kv_dtype, seed=7)
+    qsl = torch.tensor([0, 37, 77, 78], dtype=torch.int32, device=k.device)
+    q = (torch.randn(sum(q_lens), 8, 64, device=k.device) * 2).to(torch.bfloat16)
+    spans = prefix_spans(lens, qsl.tolist(), min_keys=32, min_rows=2, align=SEEDED.block_n)
+    assert [(s.seq, s.key_start) for s in spans] == [(0, 48)]
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    seed = prefix_seed(q, k, v, tables, plan_prefix(spans, 3, q.device), 0.125,
+                       attend=prefix_attention_cudnn if hopper else prefix_attention_ref,
+                       k_scale=k_scale, v_scale=v_scale)
+    out = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale,
+                            config=SEEDED, seed=seed)
+    oracle = prefill_attention_ref(q.float(), exact_k, exact_v, tables, seq_lens, qsl, scale=0.125)
+    assert rel_err(out, oracle) < TOL
+    unseeded = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale,
+                                 config=SEEDED)
+    assert rel_err(out, unseeded) < TOL
+
+
+def test_a_prefix_seed_over_fp8_pages_needs_the_scales():
+    _, k, v, tables, _, k_scale, _, _, _ = fp8_batch([100], 8, 2, 64, 16, torch.float8_e4m3fn, seed=8)
+    q = torch.randn(37, 8, 64, device=k.device).to(torch.bfloat16)
+    plan = plan_prefix(prefix_spans([100], [0, 37], min_keys=32, min_rows=2, align=16), 1, q.device)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        prefix_seed(q, k, v, tables, plan, 0.125, attend=prefix_attention_ref, k_scale=k_scale)
