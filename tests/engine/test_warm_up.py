@@ -3,6 +3,7 @@ engine is left as if it had served nothing."""
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core import warm_up
 from engine.core.warm_up import ODD_ROWS, WarmUpError, warm_up_prefill, warm_up_prompt_lens
 from tests.support.tiny_models import make_tiny_model
 
@@ -12,8 +13,8 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2)
 
 
-def make_llm(tiny_dir):
-    return LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=16, cpu_kv_cache_bytes=32 << 20,
+def make_llm(tiny_dir, chunk=16):
+    return LLM(model=tiny_dir, block_size=16, max_num_batched_tokens=chunk, cpu_kv_cache_bytes=32 << 20,
                cpu_weight_dtype="float32")
 
 
@@ -68,3 +69,20 @@ def test_a_failing_prefill_path_stops_the_start(tiny_dir, monkeypatch):
     monkeypatch.setattr(engine.backend, "prefill", broken_prefill)
     with pytest.raises(WarmUpError, match="48-token warm-up prompt failed"):
         warm_up_prefill(engine)
+
+
+def test_a_large_token_budget_warms_up_in_short_chunks_and_is_restored(tiny_dir, monkeypatch):
+    engine = make_llm(tiny_dir, chunk=256).engine
+    monkeypatch.setattr(warm_up, "MAX_CHUNK", 16)
+    rows = []
+    prefill = engine.backend.prefill
+
+    def recording_prefill(layer_idx, q, k_cache, v_cache, metadata, *, scale):
+        if layer_idx == 0:
+            rows.append(q.shape[0])
+        return prefill(layer_idx, q, k_cache, v_cache, metadata, scale=scale)
+
+    monkeypatch.setattr(engine.backend, "prefill", recording_prefill)
+    assert warm_up_prefill(engine) == [48, 32 + 15]
+    assert max(rows) == 16
+    assert engine.scheduler.max_num_batched_tokens == 256
