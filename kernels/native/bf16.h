@@ -19,3 +19,21 @@ inline uint16_t round(float f) {   // to nearest, ties to even (finite values)
 }
 
 }  // namespace bf16
+
+// A kernel's rows as bf16 (uint16_t bits) or float32: to float32 and back, rounded as torch's casts round.
+namespace elem {
+
+inline float to_float(uint16_t h) { return bf16::widen(h); }
+inline float to_float(float f) { return f; }
+
+template <typename Elem>
+Elem from_float(float f);
+template <>
+inline uint16_t from_float<uint16_t>(float f) { return bf16::round(f); }
+template <>
+inline float from_float<float>(float f) { return f; }
+
+template <typename Elem>
+float rounded(float f) { return to_float(from_float<Elem>(f)); }
+
+}  // namespace elem

@@ -16,7 +16,10 @@
 
 namespace {
 
-constexpr int MAX_LANES = 16;
+using elem::from_float;
+using elem::rounded;
+using elem::to_float;
+
 constexpr int MAX_HIDDEN = 16384;
 constexpr int STREAMS = 4;
 constexpr int LEVELS = 4;
@@ -66,19 +69,6 @@ float torch_order_sum(const float *v, int64_t n) {
     return total;
 }
 
-// The rows' element type to float32 and back (rounded to nearest even for bf16, as torch's casts).
-inline float to_float(uint16_t h) { return bf16::widen(h); }
-inline float to_float(float f) { return f; }
-inline void from_float(float f, uint16_t &out) { out = bf16::round(f); }
-inline void from_float(float f, float &out) { out = f; }
-
-template <typename Elem>
-float rounded(float f) {
-    Elem e;
-    from_float(f, e);
-    return to_float(e);
-}
-
 template <typename Elem>
 void norm_row(const Elem *__restrict x, const Elem *__restrict residual, Elem *__restrict out,
               Elem *__restrict sum_out, const Elem *__restrict weight, int hidden, float eps, int lanes,
@@ -86,7 +76,7 @@ void norm_row(const Elem *__restrict x, const Elem *__restrict residual, Elem *_
     if (residual) {
         for (int i = 0; i < hidden; ++i) {
             const float v = rounded<Elem>(to_float(x[i]) + to_float(residual[i]));
-            from_float(v, sum_out[i]);
+            sum_out[i] = from_float<Elem>(v);
             squares[i] = v * v;
         }
     } else {
@@ -95,7 +85,8 @@ void norm_row(const Elem *__restrict x, const Elem *__restrict residual, Elem *_
     const float sum = lanes == 8 ? torch_order_sum<8>(squares, hidden) : torch_order_sum<16>(squares, hidden);
     const float inv = 1.0f / std::sqrt(sum / (float)hidden + eps);
     const Elem *src = residual ? sum_out : x;
-    for (int i = 0; i < hidden; ++i) from_float(to_float(weight[i]) * rounded<Elem>(to_float(src[i]) * inv), out[i]);
+    for (int i = 0; i < hidden; ++i)
+        out[i] = from_float<Elem>(to_float(weight[i]) * rounded<Elem>(to_float(src[i]) * inv));
 }
 
 template <typename Elem>
@@ -143,7 +134,8 @@ int rms_mean_of_squares(const uint16_t *x, int64_t x_stride, int64_t rows, int h
             const float v = bf16::widen(x[r * x_stride + i]);
             squares[i] = v * v;
         }
-        out[r] = (lanes == 8 ? torch_order_sum<8>(squares, hidden) : torch_order_sum<16>(squares, hidden)) / (float)hidden;
+        const float sum = lanes == 8 ? torch_order_sum<8>(squares, hidden) : torch_order_sum<16>(squares, hidden);
+        out[r] = sum / (float)hidden;
     }
     return 0;
 }

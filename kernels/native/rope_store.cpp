@@ -8,10 +8,8 @@
 
 namespace {
 
-inline float to_float(uint16_t h) { return bf16::widen(h); }
-inline float to_float(float f) { return f; }
-inline uint16_t from_float(float f, uint16_t) { return bf16::round(f); }
-inline float from_float(float f, float) { return f; }
+using elem::from_float;
+using elem::to_float;
 
 // One head of one token: the first `rotary_dim` features rotated (x1 c - x2 s, x2 c + x1 s), the rest copied.
 template <typename Elem>
@@ -21,8 +19,8 @@ inline void rotate_head(const Elem *x, Elem *out, const float *cos, const float 
         const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
         const volatile float a = x1 * cos[i], b = x2 * -sin[i];   // no fused multiply-add: torch rounds each product
         const volatile float c = x2 * cos[i], d = x1 * sin[i];
-        out[i] = from_float(a + b, Elem());
-        out[i + half] = from_float(c + d, Elem());
+        out[i] = from_float<Elem>(a + b);
+        out[i + half] = from_float<Elem>(c + d);
     }
     for (int i = rotary_dim; i < head_dim; ++i) out[i] = x[i];
 }
