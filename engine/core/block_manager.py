@@ -4,6 +4,10 @@ A full block is identified by a hash chain: hash(parent block's hash, its token 
 sequence reuses every leading full block whose hash is known and whose tokens match (verified,
 so a hash collision can never serve wrong K/V). Freed blocks keep their contents and hash and
 stay findable until a new allocation takes them (lazy eviction, least recently freed first).
+
+A long prompt's chunks take their blocks as one run of consecutive ids where the free blocks allow
+(`RunPlacement`): a run of pages is one contiguous view of the cache, which the GPU prefill reads in place
+instead of gathering and the CPU decode multiplies in one piece.
 """
 from __future__ import annotations
 
@@ -14,9 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from engine.core.run_placement import RunPlacement
 from engine.request.sequence import Sequence
 
 NO_HASH = -1
+# Prompts of at least this many tokens get their blocks as one run of ids (`RunPlacement`).
+LONG_PROMPT_TOKENS = 4096
 
 
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
@@ -35,8 +42,10 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_free: Callable[[list[int]], None] | None = None) -> None:
-        """`on_free`: told the blocks whose last reference a `free` dropped (FFD's exact K pool)."""
+                 on_free: Callable[[list[int]], None] | None = None,
+                 long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> None:
+        """`on_free`: told the blocks whose last reference a `free` dropped (FFD's exact K pool).
+        `long_prompt_tokens`: sequences at least this long take their prefill chunks' blocks as runs."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -45,9 +54,12 @@ class BlockManager:
         # Insertion order = order of freeing; allocation takes the oldest (LRU eviction).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        self.cached_mask = np.zeros(num_blocks, dtype=bool)   # blocks with a hash: `RunPlacement` reads it whole
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.on_free = on_free
+        self.long_prompt_tokens = long_prompt_tokens
+        self.runs = RunPlacement(self)
 
     @property
     def num_blocks(self) -> int:
@@ -65,12 +77,18 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        block_id = next(iter(self.free_block_ids))
+        self.claim(block_id)
+        return block_id
+
+    def claim(self, block_id: int) -> None:
+        """Take free block `block_id` for a sequence (its cached contents, if any, are evicted)."""
+        del self.free_block_ids[block_id]
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.ref_count = NO_HASH, [], 1
-        return block_id
+        self.cached_mask[block_id] = False
 
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Attach the leading cached full blocks of a sequence that owns no blocks yet.
@@ -106,6 +124,14 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError("allocate_slots called without can_allocate")
+        prefilling = num_new_tokens > 1 or seq.num_output_tokens == 0   # not a decode step's one token
+        if needed and prefilling and len(seq) >= self.long_prompt_tokens:
+            placed = self.runs.place(seq, needed)
+            if placed is not None:
+                for block_id in placed:
+                    self.claim(block_id)
+                seq.block_table.extend(placed)
+                return
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
@@ -122,6 +148,7 @@ class BlockManager:
                 tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
                 block.hash = hash_block(parent, tokens)
                 block.token_ids = list(tokens)
+                self.cached_mask[block.block_id] = True
                 self.hash_to_block_id.setdefault(block.hash, block.block_id)
             parent = block.hash
         seq.num_hashed_blocks = max(start, num_full)

@@ -146,3 +146,21 @@ def test_prompt_logprobs_survive_preemption(tiny_dir):
         for x, y in zip(t.prompt_logprobs[1:], a.prompt_logprobs[1:], strict=True):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
         assert t.token_ids == a.token_ids
+
+
+def test_long_prompts_keep_one_run_of_blocks_after_the_cache_cycles(tmp_path, monkeypatch):
+    """Long prompts one after another through a cache that holds about two of them: each prompt's blocks are one
+    run of ids (what the GPU prefill reads in place), and its tokens are those of an engine with a fresh cache."""
+    model = make_tiny_model(tmp_path, "llama", num_layers=2, max_position_embeddings=8192)
+    long_prompts = [[(13 * i + 7 * j) % 250 + 3 for j in range(4200 + 40 * i)] for i in range(4)]
+    llm = make_llm(model, max_num_batched_tokens=1024, num_kv_blocks=600)
+    bm = llm.engine.block_manager
+    tables = []
+    free = bm.free
+    monkeypatch.setattr(bm, "free", lambda seq: (tables.append(list(seq.block_table)), free(seq)))
+    outputs = [llm.generate(p, GREEDY)[0].token_ids for p in long_prompts]
+    assert [len(t) for t in tables] == [-(-(len(p) + 11) // 16) for p in long_prompts]
+    assert all(t[:-1] == list(range(t[0], t[0] + len(t) - 1)) for t in tables)   # the decode's block aside
+    assert len({t[0] for t in tables}) > 2          # the cache cycled: runs started elsewhere
+    for prompt, tokens in zip(long_prompts, outputs, strict=True):
+        assert make_llm(model, max_num_batched_tokens=1024).generate(prompt, GREEDY)[0].token_ids == tokens
