@@ -6,7 +6,7 @@ so a hash collision can never serve wrong K/V). Freed blocks keep their contents
 stay findable until a new allocation takes them (lazy eviction, least recently freed first).
 
 A long prompt's chunks take their blocks as one run of consecutive ids where the free blocks allow
-(`RunPlacement`): a run of pages is one contiguous view of the cache, which the GPU prefill reads in place
+(`place_run`): a run of pages is one contiguous view of the cache, which the GPU prefill reads in place
 instead of gathering and the CPU decode multiplies in one piece.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from engine.core.run_placement import RunPlacement
+from engine.core.run_placement import place_run
 from engine.request.sequence import Sequence
 
 NO_HASH = -1
-# Prompts of at least this many tokens get their blocks as one run of ids (`RunPlacement`).
+# Prompts of at least this many tokens get their blocks as one run of ids (`place_run`).
 LONG_PROMPT_TOKENS = 4096
 
 
@@ -54,12 +54,11 @@ class BlockManager:
         # Insertion order = order of freeing; allocation takes the oldest (LRU eviction).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        self.cached_mask = np.zeros(num_blocks, dtype=bool)   # blocks with a hash: `RunPlacement` reads it whole
+        self.cached_mask = np.zeros(num_blocks, dtype=bool)   # blocks with a hash: `place_run` reads it whole
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.on_free = on_free
         self.long_prompt_tokens = long_prompt_tokens
-        self.runs = RunPlacement(self)
 
     @property
     def num_blocks(self) -> int:
@@ -126,7 +125,7 @@ class BlockManager:
             raise RuntimeError("allocate_slots called without can_allocate")
         prefilling = num_new_tokens > 1 or seq.num_output_tokens == 0   # not a decode step's one token
         if needed and prefilling and len(seq) >= self.long_prompt_tokens:
-            placed = self.runs.place(seq, needed)
+            placed = place_run(self, seq, needed)
             if placed is not None:
                 for block_id in placed:
                     self.claim(block_id)

@@ -35,61 +35,60 @@ class FreeBlockPool(Protocol):
     def num_blocks(self) -> int: ...
 
 
-class RunPlacement:
-    def __init__(self, pool: FreeBlockPool) -> None:
-        self.pool = pool
+def place_run(pool: FreeBlockPool, seq: Sequence, needed: int) -> list[int] | None:
+    """The `needed` free block ids for `seq`'s next chunk as a run, or None (take them in LRU order)."""
+    ids = _continuation(pool, seq, needed)
+    if ids is not None:
+        return ids
+    want = max(needed, -(-len(seq) // pool.block_size) - len(seq.block_table))
+    start = _lru_run_start(pool, want)
+    if start is None:
+        start = cheapest_stretch(pool, want)
+    if start is None:
+        return None
+    for later in range(start + needed, start + want):
+        pool.free_block_ids.move_to_end(later)
+    return list(range(start, start + needed))
 
-    def place(self, seq: Sequence, needed: int) -> list[int] | None:
-        """The `needed` free block ids for `seq`'s next chunk as a run, or None (take them in LRU order)."""
-        ids = self._continuation(seq, needed)
-        if ids is not None:
-            return ids
-        want = max(needed, -(-len(seq) // self.pool.block_size) - len(seq.block_table))
-        start = self._lru_run_start(want)
-        if start is None:
-            start = self.cheapest_stretch(want)
-        if start is None:
-            return None
-        for later in range(start + needed, start + want):
-            self.pool.free_block_ids.move_to_end(later)
-        return list(range(start, start + needed))
 
-    def _continuation(self, seq: Sequence, needed: int) -> list[int] | None:
-        if not seq.block_table:
-            return None
-        first = seq.block_table[-1] + 1
-        ids = list(range(first, first + needed))
-        free = self.pool.free_block_ids
-        return ids if ids[-1] < self.pool.num_blocks and all(i in free for i in ids) else None
+def _continuation(pool: FreeBlockPool, seq: Sequence, needed: int) -> list[int] | None:
+    if not seq.block_table:
+        return None
+    first = seq.block_table[-1] + 1
+    ids = list(range(first, first + needed))
+    free = pool.free_block_ids
+    return ids if ids[-1] < pool.num_blocks and all(i in free for i in ids) else None
 
-    def _lru_run_start(self, want: int) -> int | None:
-        """The first id of the `want` blocks LRU order hands out next, when they are consecutive ids."""
-        lru = list(itertools.islice(self.pool.free_block_ids, want))
-        return lru[0] if len(lru) == want and lru == list(range(lru[0], lru[0] + want)) else None
 
-    def cheapest_stretch(self, want: int) -> int | None:
-        """First id of `want` consecutive free blocks holding no more cached blocks than the `want` least
-        recently freed do, with the least sum of LRU positions over its cached blocks; None if there is none."""
-        free = self.pool.free_block_ids
-        if want > len(free) or want < 1:
-            return None
-        n = self.pool.num_blocks
-        order = np.fromiter(free, dtype=np.int64, count=len(free))
-        cached_in_order = self.pool.cached_mask[order]
-        in_use = np.ones(n, dtype=np.int64)
-        in_use[order] = 0
-        cached = np.zeros(n, dtype=np.int64)
-        cached[order] = cached_in_order
-        rank = np.zeros(n, dtype=np.int64)
-        rank[order] = np.where(cached_in_order, np.arange(1, len(order) + 1), 0)
+def _lru_run_start(pool: FreeBlockPool, want: int) -> int | None:
+    """The first id of the `want` blocks LRU order hands out next, when they are consecutive ids."""
+    lru = list(itertools.islice(pool.free_block_ids, want))
+    return lru[0] if len(lru) == want and lru == list(range(lru[0], lru[0] + want)) else None
 
-        def window_sums(values: np.ndarray) -> np.ndarray:
-            sums = np.concatenate(([0], np.cumsum(values)))
-            return sums[want:] - sums[:-want]
 
-        allowed = int(cached_in_order[:want].sum()) + want // EVICTION_SLACK
-        fits = (window_sums(in_use) == 0) & (window_sums(cached) <= allowed)
-        if not fits.any():
-            return None
-        cost = np.where(fits, window_sums(rank), np.iinfo(np.int64).max)
-        return int(np.argmin(cost))
+def cheapest_stretch(pool: FreeBlockPool, want: int) -> int | None:
+    """First id of `want` consecutive free blocks holding hardly more cached blocks than the `want` least
+    recently freed do, with the least sum of LRU positions over its cached blocks; None if there is none."""
+    free = pool.free_block_ids
+    if want > len(free) or want < 1:
+        return None
+    n = pool.num_blocks
+    order = np.fromiter(free, dtype=np.int64, count=len(free))
+    cached_in_order = pool.cached_mask[order]
+    in_use = np.ones(n, dtype=np.int64)
+    in_use[order] = 0
+    cached = np.zeros(n, dtype=np.int64)
+    cached[order] = cached_in_order
+    rank = np.zeros(n, dtype=np.int64)
+    rank[order] = np.where(cached_in_order, np.arange(1, len(order) + 1), 0)
+
+    def window_sums(values: np.ndarray) -> np.ndarray:
+        sums = np.concatenate(([0], np.cumsum(values)))
+        return sums[want:] - sums[:-want]
+
+    allowed = int(cached_in_order[:want].sum()) + want // EVICTION_SLACK
+    fits = (window_sums(in_use) == 0) & (window_sums(cached) <= allowed)
+    if not fits.any():
+        return None
+    cost = np.where(fits, window_sums(rank), np.iinfo(np.int64).max)
+    return int(np.argmin(cost))
