@@ -6,8 +6,8 @@ so a hash collision can never serve wrong K/V). Freed blocks keep their contents
 stay findable until a new allocation takes them (lazy eviction, least recently freed first).
 
 A long prompt's chunks take their blocks as one run of consecutive ids where the free blocks allow
-(`place_run`): a run of pages is one contiguous view of the cache, which the GPU prefill reads in place
-instead of gathering and the CPU decode multiplies in one piece.
+(`place_run`): a run of pages is one contiguous view of the cache, which the GPU prefill's cuDNN prefix
+reads in place instead of gathering.
 """
 from __future__ import annotations
 
