@@ -9,9 +9,10 @@
 # "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
 # Qwen3-30B-A3B's expert shape, checks them against float32 and times them against a per-expert
 # cuBLAS loop; "moe_e2e" (about 8 minutes): synthetic:qwen3-30b-a3b end to end (batch 1 at 1K and
-# 16K, 32 concurrent 4K requests). "prefill" (about 13 minutes): the prefill kernel's and the cuDNN
-# prefix's GPU tests and the kernel's per-layer time against SDPA, then the time to first token from 1K
-# to 130K beside transformers, with pages of 16 and of 128, and where that time goes at 1K, 32K and
+# 16K, 32 concurrent 4K requests). "prefill" (about 18 minutes: two device calls): the prefill kernel's and
+# the cuDNN prefix's GPU tests and the kernel's per-layer time against SDPA, then the time to first token from
+# 1K to 130K beside transformers, FFD's own prefill rule at 4K to 130K, pages of 16 and of 128, and where that
+# time goes at 1K, 32K and
 # 130K (bench/prefill_profile.py). "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
 # synthetic Llama-3.1-8B at TP = 1 and TP = 2 (batch 1 at 1K, 32 x 16K) and synthetic Llama-3.1-70B at
 # TP = 2 (batch 1 at 1K, one 32K prompt), with NVLink multicast off.
@@ -79,6 +80,8 @@ if [ "$PART" = prefill ] || [ "$PART" = all ]; then
     L=1024,4096,16384,32768,65536,102400,130000
     step 230 prefill_ttft_b16 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
         --transformers --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b16.json"
+    step 300 prefill_ttft_ffd python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants ffd \
+        --context-lens 4096,16384,32768,65536,130000 --max-tokens 8 --repeat 1 --out "$OUT/e2e_prefill_ffd.json"
     step 150 prefill_ttft_b128 python -m bench.e2e prefill --model synthetic:llama-3.1-8b --variants flash \
         --set backend.block_size=128 --context-lens $L --max-tokens 32 --repeat 2 --out "$OUT/e2e_prefill_b128.json"
     for N in 1024 32768 130000; do
