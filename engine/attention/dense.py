@@ -390,7 +390,7 @@ class DenseBackend(AttentionBackend):
                                k_cache.shape[1]) if spans else None
             self._prefix = (metadata, plan)
         return None if plan is None else prefix_seed(q, k_cache, v_cache, metadata.block_tables, plan, scale,
-                                                     **self._scales(layer_idx))
+                                                     k_scale=self._scales(layer_idx).get("k_scale"))
 
 
 def check_layer_inputs(spec: KVCacheSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,9 +8,9 @@ consecutive blocks, else gathered), attended by cuDNN with its log-sum-exp, and 
 `prefill_attention` as a `PrefixSeed`: each row's softmax state over keys [0, key_start), from which
 the kernel folds in the rest (the chunk's own causal part). The two parts merge exactly: a state
 (max = lse, denominator = 1, accumulator = normalised out) is what the online softmax would hold
-after those keys. Over FP8 pages the prefix is dequantized to the queries' dtype for cuDNN, and the seed's
-output is handed over in units of V's codes (divided by V's per-head scale), as the kernel's own
-accumulator is: the kernel multiplies both by that scale at the end.
+after those keys. Over FP8 pages cuDNN reads K dequantized to the queries' dtype and V's codes as they are
+(exact in that dtype), so the seed's output is in units of V's codes, as the kernel's own accumulator is:
+the kernel multiplies both by V's per-head scale at the end.
 """
 from __future__ import annotations
 
@@ -127,32 +127,32 @@ def _single_run(block_table: torch.Tensor, num_tokens: int, block_size: int) -> 
 def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpan,
                  kv_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The span's keys [0, key_start) of `cache` as [key_start, Hkv, D]: a view of its pages when they are
-    one run of blocks, else a gathered copy; FP8 pages (with their per-head `kv_scale`) dequantized to `dtype`."""
+    one run of blocks, else a gathered copy; cast to `dtype` when given (FP8 codes times their per-head
+    `kv_scale` when given, else the codes' own values)."""
     tokens = (gather_kv_ref(cache, block_table, span.key_start) if span.run is None
               else run_view(cache, span.run))
-    return tokens if kv_scale is None else dequantize_kv(tokens, kv_scale, dtype or torch.float32)
+    if kv_scale is not None:
+        return dequantize_kv(tokens, kv_scale, dtype or torch.float32)
+    return tokens if dtype is None else tokens.to(dtype)
 
 
 def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 plan: PrefixPlan, scale: float, attend: PrefixAttend = prefix_attention_cudnn, *,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> PrefixSeed:
+                k_scale: torch.Tensor | None = None) -> PrefixSeed:
     """Attend each span's rows over its prefix (`prefix_pages`) with `attend`; the seed for `prefill_attention`.
-    Rows outside every span keep lse = -inf (the kernel reads no `out` for them). FP8 pages come with their
-    per-head scales; the seed's `out` is then in units of V's codes."""
-    if is_fp8(k_cache.dtype) and (k_scale is None or v_scale is None):
-        raise ValueError("prefix seed: FP8 pages need their per-head k_scale and v_scale")
+    Rows outside every span keep lse = -inf (the kernel reads no `out` for them). FP8 pages come with K's
+    per-head scale; V is read as its codes, so the seed's `out` is in units of V's codes."""
+    if is_fp8(k_cache.dtype) and k_scale is None:
+        raise ValueError("prefix seed: FP8 pages need K's per-head k_scale")
     num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=torch.float32, device=q.device)
     for span in plan.spans:
         k = prefix_pages(k_cache, block_tables[span.seq], span, k_scale, q.dtype)
-        v = prefix_pages(v_cache, block_tables[span.seq], span, v_scale, q.dtype)
+        v = prefix_pages(v_cache, block_tables[span.seq], span, None, q.dtype)
         rows_out, rows_lse = attend(q[span.q_start:span.q_end], k, v, scale)
         out[span.q_start:span.q_end] = rows_out
         lse[:, span.q_start:span.q_end] = rows_lse
-    if v_scale is not None:
-        per_head = v_scale.to(torch.float32).repeat_interleave(num_heads // v_scale.shape[0])
-        out = (out.float() / per_head[None, :, None]).to(q.dtype)
     return PrefixSeed(out, lse, plan)
 
 

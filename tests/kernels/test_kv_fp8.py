@@ -227,8 +227,7 @@ def test_prefill_seeded_by_the_prefix_over_fp8_pages(kv_dtype):
     assert [(s.seq, s.key_start) for s in spans] == [(0, 48)]
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     seed = prefix_seed(q, k, v, tables, plan_prefix(spans, 3, q.device), 0.125,
-                       attend=prefix_attention_cudnn if hopper else prefix_attention_ref,
-                       k_scale=k_scale, v_scale=v_scale)
+                       attend=prefix_attention_cudnn if hopper else prefix_attention_ref, k_scale=k_scale)
     out = prefill_attention(q, k, v, tables, seq_lens, qsl, scale=0.125, k_scale=k_scale, v_scale=v_scale,
                             config=SEEDED, seed=seed)
     oracle = prefill_attention_ref(q.float(), exact_k, exact_v, tables, seq_lens, qsl, scale=0.125)
@@ -238,9 +237,9 @@ def test_prefill_seeded_by_the_prefix_over_fp8_pages(kv_dtype):
     assert rel_err(out, unseeded) < TOL
 
 
-def test_a_prefix_seed_over_fp8_pages_needs_the_scales():
-    _, k, v, tables, _, k_scale, _, _, _ = fp8_batch([100], 8, 2, 64, 16, torch.float8_e4m3fn, seed=8)
+def test_a_prefix_seed_over_fp8_pages_needs_k_scale():
+    _, k, v, tables, _, _, _, _, _ = fp8_batch([100], 8, 2, 64, 16, torch.float8_e4m3fn, seed=8)
     q = torch.randn(37, 8, 64, device=k.device).to(torch.bfloat16)
     plan = plan_prefix(prefix_spans([100], [0, 37], min_keys=32, min_rows=2, align=16), 1, q.device)
-    with pytest.raises(ValueError, match="k_scale and v_scale"):
-        prefix_seed(q, k, v, tables, plan, 0.125, attend=prefix_attention_ref, k_scale=k_scale)
+    with pytest.raises(ValueError, match="k_scale"):
+        prefix_seed(q, k, v, tables, plan, 0.125, attend=prefix_attention_ref)
