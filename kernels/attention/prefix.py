@@ -131,9 +131,9 @@ def prefix_pages(cache: torch.Tensor, block_table: torch.Tensor, span: PrefixSpa
     `kv_scale` when given, else the codes' own values)."""
     tokens = (gather_kv_ref(cache, block_table, span.key_start) if span.run is None
               else run_view(cache, span.run))
-    if kv_scale is not None:
-        return dequantize_kv(tokens, kv_scale, dtype or torch.float32)
-    return tokens if dtype is None else tokens.to(dtype)
+    if dtype is None and kv_scale is None:
+        return tokens
+    return dequantize_kv(tokens, kv_scale, dtype or torch.float32)
 
 
 def prefix_seed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
