@@ -19,6 +19,7 @@ Writes DIR/prefill_kernels.json and prints the tables last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib
@@ -257,7 +258,7 @@ def main() -> int:
     result: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "triton": triton.__version__, "command": " ".join(sys.argv),
-                              "vendor_config": vendor_configs("nvidia").prefill_for(D).__dict__}
+                              "vendor_config": dataclasses.asdict(vendor_configs("nvidia").prefill_for(D))}
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if args.check:

@@ -7,6 +7,7 @@ tiles are smaller, it pipelines less, and it takes `waves_per_eu` / `matrix_inst
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -80,6 +81,13 @@ class PrefillConfig:
     prefix_min_keys: int = 0
     prefix_min_rows: int = 64
     prefix_key_bucket: int = 2048   # spans end on multiples of this (of block_n): few shapes for cuDNN
+    # A shape with more query rows a tile, taken where its grid is still at least `WIDE_MIN_WAVES` of programs
+    # per compute unit (`kernels.attention.prefill.launch_shape`); None: this shape for every grid.
+    wide: PrefillConfig | None = None
+
+
+# Wide tiles won at 1.94 programs a SM and lost at 0.97 (H100, bench/RESULTS.md): taken from 1.5 on.
+WIDE_MIN_WAVES = 1.5
 
 
 @dataclass(frozen=True)
@@ -106,15 +114,20 @@ def _amd_extra(waves_per_eu: int) -> dict[str, int]:
     return {"waves_per_eu": waves_per_eu, "matrix_instr_nonkdim": 16}
 
 
+# cuDNN over cached prefixes of 4K+ keys: from there a 2048-token chunk gains or breaks even (bench/RESULTS.md)
+_NVIDIA_PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack=4, tma=True,
+                                prefix_min_keys=4096)
+
 _CONFIGS = {
     # Prefill: the H200 sweep of bench/prefill_kernels.py (bench/RESULTS.md); D=256 keeps its tiles
     # in shared memory with narrower KV tiles (not measured).
     "nvidia": VendorConfigs("nvidia", DecodeConfig(),
-                            # cuDNN over cached prefixes of 4K+ keys: from there a 2048-token chunk gains or breaks
-                            # even (bench/RESULTS.md)
-                            PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, pack=4, tma=True,
-                                          prefix_min_keys=4096),
-                            prefill_by_head_dim={256: PrefillConfig(block_m=64, block_n=32, pack=4)},
+                            _NVIDIA_PREFILL,
+                            # D=128: twice the rows a tile where the grid still fills the GPU (measured at D=128 only)
+                            prefill_by_head_dim={128: dataclasses.replace(_NVIDIA_PREFILL, wide=PrefillConfig(
+                                                     block_m=256, block_n=64, num_warps=8, num_stages=3, pack=4,
+                                                     tma=True)),
+                                                 256: PrefillConfig(block_m=64, block_n=32, pack=4)},
                             # FP8 pages: a tile of 1-byte codes is half the bytes, so many one-warp programs keep
                             # enough loads in flight (the launch sweep of bench/kv_fp8.py, bench/RESULTS.md)
                             decode_fp8=DecodeConfig(block_n=32, num_warps=1, ctas_per_sm=32)),

@@ -22,7 +22,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.attention.kv_quant import check_scales, is_fp8
 from kernels.attention.prefix import PrefixSeed
 from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile
-from kernels.vendor import PrefillConfig, check_launch_options, configs_for, interpreting
+from kernels.vendor import (
+    WIDE_MIN_WAVES,
+    PrefillConfig,
+    check_launch_options,
+    configs_for,
+    interpreting,
+    num_compute_units,
+)
 
 SEED_LOG2E = tl.constexpr(LOG2E)   # a seed's natural-log lse into the kernel's log2 units
 
@@ -127,6 +134,23 @@ def _prefill_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, QSL, OUT, K_SCALE, V_SCALE
                  out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
 
 
+def tile_rows(cfg: PrefillConfig, max_query_len: int, group: int) -> tuple[int, int]:
+    """(query rows a tile, heads packed into them) of `cfg` for chunks of up to `max_query_len` tokens: short
+    chunks take fewer rows a tile, and the group's heads fill them instead of padding."""
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_query_len * group)))
+    return block_m, heads_per_tile(group, cfg.pack, block_m)
+
+
+def launch_shape(cfg: PrefillConfig, max_query_len: int, num_heads: int, group: int, batch: int,
+                 compute_units: int) -> PrefillConfig:
+    """`cfg.wide` where its grid has at least `WIDE_MIN_WAVES` programs per compute unit, else `cfg`."""
+    if cfg.wide is None:
+        return cfg
+    block_m, pack = tile_rows(cfg.wide, max_query_len, group)
+    programs = num_heads // pack * triton.cdiv(max_query_len, block_m // pack) * batch
+    return cfg.wide if programs >= WIDE_MIN_WAVES * compute_units else cfg
+
+
 def heads_per_tile(group: int, max_pack: int, block_m: int) -> int:
     """The largest power of two dividing the GQA group, at most `max_pack` and `block_m`."""
     pack = 1
@@ -182,12 +206,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("head_dim must be a power of two >= 16 and the caches must share strides")
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    cfg = config or configs_for(q.device).prefill_for(head_dim)
-    check_launch_options(cfg.extra, q.device)
     group = num_heads // num_kv_heads
-    # Short chunks: fewer rows per tile, and the group's heads fill them instead of padding.
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_query_len * group)))
-    pack = heads_per_tile(group, cfg.pack, block_m)
+    cfg = config or configs_for(q.device).prefill_for(head_dim)
+    if not is_fp8(k_cache.dtype):   # the wide shape was measured over pages of the model's dtype only
+        cfg = launch_shape(cfg, max_query_len, num_heads, group, batch, num_compute_units(q.device))
+    check_launch_options(cfg.extra, q.device)
+    block_m, pack = tile_rows(cfg, max_query_len, group)
     tokens = block_m // pack
     grid = (num_heads // pack, triton.cdiv(max_query_len, tokens), batch)
     if seed is not None:

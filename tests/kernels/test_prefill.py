@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kernels import prefill_attention
-from kernels.attention.prefill import heads_per_tile
-from kernels.vendor import PrefillConfig
+from kernels.attention.prefill import heads_per_tile, launch_shape
+from kernels.vendor import PrefillConfig, vendor_configs
 from tests.support.paged_cache import shuffled_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,11 +123,26 @@ def test_heads_per_tile():
     assert heads_per_tile(group=8, max_pack=8, block_m=4) == 4       # never more heads than rows
 
 
+def test_wide_tiles_only_where_their_grid_fills_the_gpu():
+    """NVIDIA's 256-row tiles for a 2,048-token chunk of Llama-3.1-8B heads on 132 SMs (256 programs), its
+    128-row default at 1,024 tokens (128 programs: fewer than the SMs) and for a config without a wide shape."""
+    base = vendor_configs("nvidia").prefill_for(128)
+    assert base.wide is not None and base.wide.block_m > base.block_m
+    assert launch_shape(base, 2048, 32, 4, 1, 132) is base.wide
+    assert launch_shape(base, 1024, 32, 4, 1, 132) is base
+    assert launch_shape(base, 1024, 32, 4, 2, 132) is base.wide          # two sequences' chunks: 256 programs
+    assert launch_shape(base, 2048, 32, 4, 1, 264) is base               # a GPU with twice the SMs
+    plain = PrefillConfig()
+    assert launch_shape(plain, 65536, 32, 4, 8, 132) is plain
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("prefix, chunk", [(0, 4096 + 7), (16 * 200 + 1, 2048), (32768 - 16, 2048 + 16)])
+@pytest.mark.parametrize("prefix, chunk", [(0, 4096 + 7), (16 * 200 + 1, 2048), (32768 - 16, 2048 + 16),
+                                           (5000, 1024)])
 def test_gpu_llama_shapes(prefix, chunk):
-    """Llama-3.1-8B heads (32 over 8, D=128), bf16, the vendor config, long prefixes."""
+    """Llama-3.1-8B heads (32 over 8, D=128), bf16, the vendor config, long prefixes: chunks of 2,048 tokens
+    and more take its wide tiles on an H100 or H200, the 1,024-token chunk its default."""
     q, k, v, tables, lens, qsl = paged_prefill_case([prefix + chunk], [chunk], 32, 8, 128, 16,
                                                     torch.bfloat16, seed=prefix)
     out = prefill_attention(q, k, v, tables, lens, qsl, scale=128 ** -0.5, max_query_len=chunk)
