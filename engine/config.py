@@ -101,6 +101,7 @@ class FlashDecodingConfig(_Section):
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "int4"]
 CpuAttention = Literal["auto", "native", "fused", "reference"]
 CpuMatmul = Literal["auto", "native", "torch"]
+CpuProductInputs = Literal["auto", "float32", "int16"]
 PrefillPrefix = Literal["auto", "kernel"]
 KvCacheDtype = Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 
@@ -127,6 +128,10 @@ class BackendConfig(_Section):
         "auto", description="CPU decode products of the int4 / int8 decode weights: native = the C++ kernel built "
                             "for this CPU (AVX512-BF16); torch = torch's int4 / int8 kernels; auto = native where "
                             "it builds, else torch, with the reason logged")
+    cpu_product_inputs: CpuProductInputs = Field(
+        "auto", description="inputs of the float32 decode products over the checkpoint's own blocks: float32 = "
+                            "the dense weights' numbers; int16 = each input rounded to 16 bits per group of 32 "
+                            "and multiplied as integers (faster; AVX2 and F16C); auto = int16 where it builds")
     cpu_attention: CpuAttention = Field(
         "auto", description="CPU attention: native = decode through the C++ paged kernel built for this CPU, "
                             "prefill through the C++ bf16 kernel on AVX512-BF16 CPUs with bf16 pages (else torch "

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import CpuMatmul
+from engine.config import CpuMatmul, CpuProductInputs
 from engine.model.layers import ColumnParallelLinear, DecodeWeight, HasWeight, ParallelLMHead, RowParallelLinear
 from kernels.gemm.int4_cpu import GROUP_SIZE, Int4Weight, can_pack, int4_linear, on_int4_grid, pack_int4, quantize_int4
 from kernels.gemm.int8_blocks import quantize_int8_blocks
@@ -90,14 +90,18 @@ class NativeInt8DecodeWeight(DecodeWeight):
 
 
 class BlockDecodeWeight(DecodeWeight):
-    """A weight on a 4-bit or int8 block grid through the C++ float32 kernel: the dense weight's own values."""
+    """A weight on a 4-bit or int8 block grid through the C++ float32 kernel: the dense weight's own values
+    (`int16_inputs`: its inputs rounded to 16 bits per group first)."""
 
-    def __init__(self, packed: block_gemv.BlockWeight, max_tokens: int = BLOCK_MAX_TOKENS) -> None:
+    def __init__(self, packed: block_gemv.BlockWeight, max_tokens: int = BLOCK_MAX_TOKENS,
+                 int16_inputs: bool = False) -> None:
         self.packed = packed
         self.max_tokens = max_tokens
+        self.int16_inputs = int16_inputs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = in_row_groups(lambda rows: block_gemv.block_gemv(rows, self.packed), x.float(), block_gemv.MAX_ROWS)
+        out = in_row_groups(lambda rows: block_gemv.block_gemv(rows, self.packed, int16_inputs=self.int16_inputs),
+                            x.float(), block_gemv.MAX_ROWS)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -220,7 +224,7 @@ def _reproduces(weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     return True
 
 
-def block_weight_for(weight: torch.Tensor) -> BlockDecodeWeight | None:
+def block_weight_for(weight: torch.Tensor, int16_inputs: bool = False) -> BlockDecodeWeight | None:
     """`weight` as the checkpoint's own blocks (4-bit tried first, then int8), or None where neither gives its
     numbers back exactly or its shape does not fit the kernel."""
     w = weight.detach()
@@ -230,11 +234,23 @@ def block_weight_for(weight: torch.Tensor) -> BlockDecodeWeight | None:
             continue
         codes, scale, bias = _blocks_of(w, bits)
         if _reproduces(w, codes, scale, bias):
-            return BlockDecodeWeight(block_gemv.pack(codes, scale, bias, bits, GROUP_SIZE))
+            return BlockDecodeWeight(block_gemv.pack(codes, scale, bias, bits, GROUP_SIZE), int16_inputs=int16_inputs)
     return None
 
 
-def pack_block_decode_weights(model: torch.nn.Module) -> str:
+def product_inputs_int16(cpu_product_inputs: CpuProductInputs) -> bool:
+    """Whether the block products round their inputs to 16 bits (`[backend] cpu_product_inputs`); "int16" where
+    this build has no such kernel raises."""
+    if cpu_product_inputs == "float32":
+        return False
+    available = block_gemv.int16_inputs_available()
+    if cpu_product_inputs == "int16" and not available:
+        raise ValueError('[backend] cpu_product_inputs = "int16": this CPU build has no 16-bit input kernel '
+                         "(it needs AVX2 and F16C)")
+    return available
+
+
+def pack_block_decode_weights(model: torch.nn.Module, int16_inputs: bool = False) -> str:
     """Give every linear layer and LM head whose float32 weight lies on a 4-bit or int8 block grid its block
     decode weight; return what runs, for the startup log."""
     counts = {4: 0, 8: 0}
@@ -243,14 +259,15 @@ def pack_block_decode_weights(model: torch.nn.Module) -> str:
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             continue
         layer: HasWeight = module
-        block = block_weight_for(layer.weight)
+        block = block_weight_for(layer.weight, int16_inputs)
         if block is None:
             dense.append(name)
             continue
         layer.decode_weight = block
         counts[block.packed.bits] += 1
+    inputs = "inputs rounded to 16 bits per group" if int16_inputs else "float32 inputs"
     text = (f"float32 with the checkpoint's own blocks for products of <= {BLOCK_MAX_TOKENS} rows "
-            f"(C++, {block_gemv.isa()}): 4-bit in {counts[4]} layers, int8 in {counts[8]}")
+            f"(C++, {block_gemv.isa()}, {inputs}): 4-bit in {counts[4]} layers, int8 in {counts[8]}")
     if dense:
         shown = ", ".join(dense[:3]) + (f" and {len(dense) - 3} more" if len(dense) > 3 else "")
         text += f"; dense in {len(dense)} (no 4-bit or int8 blocks give their weights back: {shown})"
@@ -258,8 +275,9 @@ def pack_block_decode_weights(model: torch.nn.Module) -> str:
 
 
 def configure_cpu_weights(model: torch.nn.Module, cpu_weight_dtype: str, dtype: torch.dtype,
-                          cpu_matmul: CpuMatmul = "auto") -> str:
-    """Apply `[backend] cpu_weight_dtype` (and `cpu_matmul`) to a CPU model loaded in `dtype`; return what runs."""
+                          cpu_matmul: CpuMatmul = "auto", cpu_product_inputs: CpuProductInputs = "float32") -> str:
+    """Apply `[backend] cpu_weight_dtype` (and `cpu_matmul`, `cpu_product_inputs`) to a CPU model loaded in
+    `dtype`; return what runs."""
     if cpu_weight_dtype == "int4" or (cpu_weight_dtype == "auto" and dtype == torch.bfloat16):
         why_torch = native_matmul_unsupported(cpu_matmul)
         native = why_torch is None
@@ -268,7 +286,8 @@ def configure_cpu_weights(model: torch.nn.Module, cpu_weight_dtype: str, dtype: 
                 + ("C++ (AVX512-BF16)" if native else f"torch's kernels ({why_torch})"))
     elif cpu_weight_dtype == "auto" and dtype == torch.float32:
         why_dense = block_kernel_unsupported(cpu_matmul)
-        text = pack_block_decode_weights(model) if why_dense is None else f"dense float32 weights ({why_dense})"
+        text = (pack_block_decode_weights(model, product_inputs_int16(cpu_product_inputs)) if why_dense is None
+                else f"dense float32 weights ({why_dense})")
     else:
         text = f"dense {dtype} weights"
     logger.info("cpu weights (cpu_weight_dtype = %r): %s", cpu_weight_dtype, text)

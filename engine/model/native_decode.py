@@ -40,10 +40,12 @@ class NativeDecodeStep:
         return self.stack.run(hidden, metadata.positions, metadata.slot_mapping, tables, metadata.seq_lens)
 
 
-def _block(layer: HasWeight, what: str) -> BlockWeight:
+def _block(layer: HasWeight, what: str, int16_inputs: bool) -> BlockWeight:
     weight = layer.decode_weight
     if not isinstance(weight, BlockDecodeWeight):
         raise _NotApplicable(f"{what} has no block decode weight")
+    if weight.int16_inputs != int16_inputs:
+        raise _NotApplicable(f"{what} rounds its inputs unlike layer 0's qkv_proj")
     return weight.packed
 
 
@@ -51,8 +53,8 @@ class _NotApplicable(Exception):
     """Why the model's decode steps keep its torch forward."""
 
 
-def _layer_weights(layer: LlamaDecoderLayer, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-                   ) -> decode_stack.StackLayerWeights:
+def _layer_weights(layer: LlamaDecoderLayer, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   int16_inputs: bool) -> decode_stack.StackLayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, LlamaMLP):
         raise _NotApplicable(f"layer {i} is a mixture of experts")
@@ -62,8 +64,10 @@ def _layer_weights(layer: LlamaDecoderLayer, i: int, k_cache: torch.Tensor, v_ca
         raise _NotApplicable("biases on the projections")
     return decode_stack.StackLayerWeights(
         layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-        _block(attn.qkv_proj, f"layer {i} qkv_proj"), _block(attn.o_proj, f"layer {i} o_proj"),
-        _block(mlp.gate_up_proj, f"layer {i} gate_up_proj"), _block(mlp.down_proj, f"layer {i} down_proj"),
+        _block(attn.qkv_proj, f"layer {i} qkv_proj", int16_inputs),
+        _block(attn.o_proj, f"layer {i} o_proj", int16_inputs),
+        _block(mlp.gate_up_proj, f"layer {i} gate_up_proj", int16_inputs),
+        _block(mlp.down_proj, f"layer {i} down_proj", int16_inputs),
         k_cache, v_cache)
 
 
@@ -85,11 +89,13 @@ def _build(model: torch.nn.Module, backend: AttentionBackend, k_cache: torch.Ten
     first = layers[0]
     attn = first.self_attn
     rotary = attn.rotary_emb
+    first_weight = attn.qkv_proj.decode_weight
+    int16_inputs = isinstance(first_weight, BlockDecodeWeight) and first_weight.int16_inputs
     weights = []
     for i, layer in enumerate(layers):
         if layer.self_attn.rotary_emb is not rotary:
             raise _NotApplicable("rotary tables differ between layers")
-        weights.append(_layer_weights(layer, i, k_cache[i], v_cache[i]))
+        weights.append(_layer_weights(layer, i, k_cache[i], v_cache[i], int16_inputs))
     norm = model.model.norm
     shape = decode_stack.StackShape(
         hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
@@ -98,7 +104,8 @@ def _build(model: torch.nn.Module, backend: AttentionBackend, k_cache: torch.Ten
     if any(layer.input_layernorm.eps != shape.eps or layer.post_attention_layernorm.eps != shape.eps
            for layer in layers) or norm.eps != shape.eps:
         raise _NotApplicable("RMSNorm epsilons differ between layers")
-    stack = decode_stack.DecodeStack(shape, weights, norm.weight.detach(), rotary.cos_cache, rotary.sin_cache)
+    stack = decode_stack.DecodeStack(shape, weights, norm.weight.detach(), rotary.cos_cache, rotary.sin_cache,
+                                     int16_inputs=int16_inputs)
     return NativeDecodeStep(model, stack)
 
 

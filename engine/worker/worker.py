@@ -52,7 +52,7 @@ class Worker:
         # Ranks load at their own pace; the collectives below each wait only `distributed.timeout_s`.
         wait_for_all_ranks(config.distributed.startup_timeout_s)
         self.cpu_weights_text = (configure_cpu_weights(self.model, config.backend.cpu_weight_dtype, self.dtype,
-                                                       config.backend.cpu_matmul)
+                                                       config.backend.cpu_matmul, config.backend.cpu_product_inputs)
                                  if device.type == "cpu" else "")
         # Decode-phase linears: cuBLAS, or our flat GEMM / GEMV per shape from the tuned table.
         configure_matmul(config.flashdecoding, device, self.dtype, linear_shapes(self.model))

@@ -6,6 +6,10 @@ half-precision numbers per (row, group of `group_size` inputs): a GGUF Q4_1 weig
 summation order.
 It reads an eighth (4-bit) or a quarter (8-bit) of the float32 weight's bytes, which is a decode step's
 time on a CPU, and needs no bf16 hardware: vector extensions build it for AVX-512, AVX2 and NEON.
+
+With `int16_inputs` (AVX2 builds, `block_gemv_i16.h`) each input row is first rounded to 16-bit integers per
+group (the group's largest |x| to 32767) and the products run as integer multiply-adds: fewer instructions
+a weight, and the result differs from float32's by that rounding of the inputs (a relative step of 2^-15).
 """
 from __future__ import annotations
 
@@ -38,10 +42,10 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """The kernel built for this CPU (raises `NativeBuildError`)."""
     lib = load("block_gemv", flags)
     lib.block_gemv_isa.restype = ctypes.c_char_p
-    lib.block_gemv.restype = ctypes.c_int
-    lib.block_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_int]
+    for entry in (lib.block_gemv, lib.block_gemv_int16_inputs):
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -53,6 +57,15 @@ def rows_per_tile() -> int:
 def isa() -> str:
     name = library().block_gemv_isa()
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def int16_inputs_available() -> bool:
+    """Whether this build has the 16-bit input kernel (AVX2 with F16C)."""
+    return bool(library().block_gemv_int16_inputs_available())
+
+
+# A group's 32-bit integer sums hold groups of up to this many inputs (8-bit codes times 16-bit inputs).
+INT16_MAX_GROUP = 256
 
 
 def unsupported(out_features: int, in_features: int, bits: int, group_size: int) -> str | None:
@@ -102,8 +115,10 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
     return codes * scale + bias
 
 
-def block_gemv(x: torch.Tensor, weight: BlockWeight, *, num_threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32, 1 <= M <= 8 (host, rows contiguous) -> x · Wᵀ [M, N] float32."""
+def block_gemv(x: torch.Tensor, weight: BlockWeight, *, num_threads: int | None = None,
+               int16_inputs: bool = False) -> torch.Tensor:
+    """x [M, K] float32, 1 <= M <= 8 (host, rows contiguous) -> x · Wᵀ [M, N] float32; `int16_inputs`: x
+    rounded to 16 bits per group first (raises where the build lacks that kernel)."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features or not x.is_cpu:
         raise ValueError(f"block gemv: float32 CPU x [M, {weight.in_features}] expected, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -112,9 +127,12 @@ def block_gemv(x: torch.Tensor, weight: BlockWeight, *, num_threads: int | None 
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    status = library().block_gemv(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.bits,
-                                  weight.codes.data_ptr(), weight.scale_bias.data_ptr(), weight.out_features,
-                                  weight.group_size, out.data_ptr(), num_threads or torch.get_num_threads())
+    if int16_inputs and not int16_inputs_available():
+        raise ValueError("block gemv: this build has no 16-bit input kernel (it needs AVX2 and F16C)")
+    entry = library().block_gemv_int16_inputs if int16_inputs else library().block_gemv
+    status = entry(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.bits, weight.codes.data_ptr(),
+                   weight.scale_bias.data_ptr(), weight.out_features, weight.group_size, out.data_ptr(),
+                   num_threads or torch.get_num_threads())
     if status != 0:
         raise ValueError(f"block gemv: the kernel refused {tuple(x.shape)} x {weight.bits}-bit "
                          f"[{weight.out_features}, {weight.in_features}] in groups of {weight.group_size}")

@@ -5,7 +5,7 @@
 // a dispatch from Python, here is one call a step.
 //
 // Activations are float32 throughout; the four products a layer are block_gemv.h's (weights as the
-// checkpoint's own 4-bit or 8-bit blocks), attention is paged_decode.h's over float32 or bfloat16 pages
+// checkpoint's own 4-bit or 8-bit blocks; or block_gemv_i16.h's, inputs rounded to 16 bits per group), attention is paged_decode.h's over float32 or bfloat16 pages
 // (stored rows rounded to nearest). The same operations as the torch form, so a row differs from it only by
 // float32 rounding (the order of sums, where a multiply and an add fuse).
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "block_gemv.h"
+#include "block_gemv_i16.h"
 #include "paged_decode.h"
 
 namespace {
@@ -35,6 +36,7 @@ struct StackLayer {
 struct StackModel {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, block_size;
     int32_t bf16_pages;           // 0: float32 pages, 1: bfloat16
+    int32_t int16_inputs;         // 1: the products round their inputs to 16 bits per group (block_gemv_i16.h)
     float eps, attn_scale;
     const float *cos_cache, *sin_cache;   // [max_position, rotary_dim / 2]
     int64_t max_position, num_slots;      // num_slots: blocks * block_size
@@ -127,9 +129,10 @@ void rope_and_store(const StackModel &model, const float *qkv, const int64_t *po
     }
 }
 
-bool product(const BlockMatrix &w, const float *x, int M, float *out, int num_threads) {
-    return blocks::gemv(x, w.in_features, M, w.in_features, w.bits, w.codes, w.scale_bias, w.out_features,
-                        w.group_size, out, num_threads) == 0;
+bool product(const StackModel &model, const BlockMatrix &w, const float *x, int M, float *out, int num_threads) {
+    const auto gemv = model.int16_inputs ? blocks_i16::gemv : blocks::gemv;
+    return gemv(x, w.in_features, M, w.in_features, w.bits, w.codes, w.scale_bias, w.out_features, w.group_size,
+                out, num_threads) == 0;
 }
 
 template <typename T>
@@ -149,18 +152,18 @@ int run(const StackModel &model, float *hidden, int M, const int64_t *positions,
         const StackLayer &layer = model.layers[l];
         if (l > 0) add_into(residual.data(), h.data(), (int64_t)M * H);
         rms_norm(residual.data(), layer.input_norm, model.eps, M, H, x.data());
-        if (!product(layer.qkv, x.data(), M, qkv.data(), num_threads)) return -2;
+        if (!product(model, layer.qkv, x.data(), M, qkv.data(), num_threads)) return -2;
         T *k_cache = (T *)layer.k_cache, *v_cache = (T *)layer.v_cache;
         rope_and_store(model, qkv.data(), positions, slots, M, k_cache, v_cache, q.data());
         paged::paged_decode(q.data(), (const T *)k_cache, (const T *)v_cache, block_tables, block_table_stride,
                             seq_lens, M, Hq, Hkv, D, model.block_size, splits, attn_threads, work.data(), attn.data(),
                             false);
-        if (!product(layer.o, attn.data(), M, h.data(), num_threads)) return -2;
+        if (!product(model, layer.o, attn.data(), M, h.data(), num_threads)) return -2;
         add_into(residual.data(), h.data(), (int64_t)M * H);
         rms_norm(residual.data(), layer.post_norm, model.eps, M, H, x.data());
-        if (!product(layer.gate_up, x.data(), M, gate_up.data(), num_threads)) return -2;
+        if (!product(model, layer.gate_up, x.data(), M, gate_up.data(), num_threads)) return -2;
         silu_and_mul(gate_up.data(), M, I, act.data());
-        if (!product(layer.down, act.data(), M, h.data(), num_threads)) return -2;
+        if (!product(model, layer.down, act.data(), M, h.data(), num_threads)) return -2;
     }
     add_into(residual.data(), h.data(), (int64_t)M * H);
     rms_norm(residual.data(), model.final_norm, model.eps, M, H, hidden);
@@ -172,6 +175,8 @@ int run(const StackModel &model, float *hidden, int M, const int64_t *positions,
 extern "C" {
 
 int decode_stack_max_rows() { return blocks::MAX_M; }
+
+int decode_stack_int16_inputs_available() { return blocks_i16::AVAILABLE ? 1 : 0; }
 
 // hidden [M, H] float32: the rows' embeddings in, the final norm's output out. positions and slots int64 [M]
 // (a slot of -1 stores nothing); block_tables int32 rows of block_table_stride and seq_lens int32 [M]: every

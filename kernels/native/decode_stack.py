@@ -3,7 +3,8 @@
 The layer is the plain Llama one: RMSNorm with the residual carried beside it, fused q/k/v, RoPE over the
 first `rotary_dim` features of each head (GPT-NeoX halves), paged attention over float32 or bfloat16 pages,
 the output projection, RMSNorm, fused gate/up, SiLU(gate) * up, down; no biases, no q/k norms, no experts.
-The four products take `block_gemv` weights. `DecodeStack` holds the pointers to every layer's weights and
+The four products take `block_gemv` weights, with float32 inputs or (`int16_inputs`) inputs rounded to 16 bits
+per group. `DecodeStack` holds the pointers to every layer's weights and
 pages, made once; `run` takes a step's rows.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ class _StackModel(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("rotary_dim", ctypes.c_int32),
                 ("intermediate", ctypes.c_int32), ("block_size", ctypes.c_int32), ("bf16_pages", ctypes.c_int32),
+                ("int16_inputs", ctypes.c_int32),
                 ("eps", ctypes.c_float),
                 ("attn_scale", ctypes.c_float), ("cos_cache", ctypes.c_void_p), ("sin_cache", ctypes.c_void_p),
                 ("max_position", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("final_norm", ctypes.c_void_p),
@@ -53,6 +55,11 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     lib.decode_stack.argtypes = [ctypes.POINTER(_StackModel), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+def int16_inputs_available() -> bool:
+    """Whether this build's products can round their inputs to 16 bits (`block_gemv_i16.h`: AVX2 with F16C)."""
+    return bool(library().decode_stack_int16_inputs_available())
 
 
 def max_rows() -> int:
@@ -106,8 +113,10 @@ class DecodeStack:
     here, so the pointers stay valid while this lives."""
 
     def __init__(self, shape: StackShape, layers: list[StackLayerWeights], final_norm: torch.Tensor,
-                 cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+                 cos_cache: torch.Tensor, sin_cache: torch.Tensor, *, int16_inputs: bool = False) -> None:
         s = shape
+        if int16_inputs and not int16_inputs_available():
+            raise ValueError("decode stack: this build has no 16-bit input products (they need AVX2 and F16C)")
         if s.num_heads % s.num_kv_heads or s.rotary_dim % 2 or not 0 < s.rotary_dim <= s.head_dim or not layers:
             raise ValueError(f"decode stack: unsupported shape {s}")
         half = s.rotary_dim // 2
@@ -137,14 +146,15 @@ class DecodeStack:
                 _matrix(layer.down, s.hidden, s.intermediate, f"layer {i} down"),
                 layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
         self.shape = shape
+        self.int16_inputs = int16_inputs
         self.num_layers = len(layers)
         self.num_blocks, self.block_size = cache_shape[0], cache_shape[1]
         self._tensors = (layers, final_norm, cos_cache, sin_cache)
         self._layers = structs
         self._model = _StackModel(len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.rotary_dim,
-                                  s.intermediate, self.block_size, int(page_dtype == torch.bfloat16), s.eps,
-                                  s.attn_scale, cos_cache.data_ptr(),
-                                  sin_cache.data_ptr(), cos_cache.shape[0], self.num_blocks * self.block_size,
+                                  s.intermediate, self.block_size, int(page_dtype == torch.bfloat16),
+                                  int(int16_inputs), s.eps, s.attn_scale, cos_cache.data_ptr(), sin_cache.data_ptr(),
+                                  cos_cache.shape[0], self.num_blocks * self.block_size,
                                   _float32_vector(final_norm, s.hidden, "final norm"), structs)
         self.max_rows = max_rows()
 

@@ -102,3 +102,68 @@ def test_refuses_what_it_cannot_take():
         block_gemv.pack(codes + 1, scale, bias, 4, 32)
     with pytest.raises(ValueError, match="4 or 8"):
         block_gemv.pack(codes, scale, bias, 3, 32)
+
+
+def int16_rounded(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x as the 16-bit input kernel rounds it: per group, the largest |x| to 32767 (float64 of those integers)."""
+    groups = x.float().reshape(x.shape[0], -1, group_size)
+    largest = groups.abs().amax(-1, keepdim=True)
+    levels = torch.full_like(largest, 32767.0)
+    inverse = torch.where(largest > 0, levels / largest, torch.zeros_like(largest))   # a float32 division
+    return (torch.round(groups * inverse).double() * (largest / levels).double()).reshape(x.shape)
+
+
+int16_only = pytest.mark.skipif(not block_gemv.int16_inputs_available(), reason="no AVX2 / F16C in this build")
+
+
+@int16_only
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tiles, k, group_size", [(1, 32, 32), (3, 96, 32), (9, 576, 32), (15, 1536, 32),
+                                                  (5, 192, 64), (2, 64, 64), (3, 96, 48), (2, 256, 256)])
+def test_int16_inputs_match_float64_over_the_rounded_inputs(bits, tiles, k, group_size):
+    """Against float64 over the same 16-bit inputs (the codes' part; c meets the float32 inputs' sum), the
+    products are exact up to float32 sums; against the unrounded inputs the rounding shows (a relative step of
+    2^-15 a group), so the first check is not vacuous."""
+    n = tiles * block_gemv.rows_per_tile()
+    codes, scale, bias = random_weight(n, k, bits, group_size, seed=3 * n + k + bits)
+    weight = block_gemv.pack(codes, scale, bias, bits, group_size)
+    dense = block_gemv.dequantize(weight)
+    bias_part = bias.half().double().repeat_interleave(group_size, dim=1)
+    errors, rounding = [], []
+    for rows in range(1, block_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)) * 3
+        out = block_gemv.block_gemv(x, weight, int16_inputs=True)
+        errors.append(rel_err(out, int16_rounded(x, group_size) @ (dense - bias_part).T + x.double() @ bias_part.T))
+        rounding.append(rel_err(out, x.double() @ dense.T))
+    print(f"{bits}-bit [{n} x {k}], groups of {group_size}: against the rounded inputs {max(errors):.1e}, "
+          f"against float32's inputs {min(rounding):.1e} .. {max(rounding):.1e}")
+    assert max(errors) < 1e-6
+    assert 2e-6 < min(rounding) and max(rounding) < 2e-4
+
+
+@int16_only
+def test_int16_inputs_keep_nan_and_zero_groups():
+    """A group holding a NaN or infinity gives NaN rows, as float32 would; an all-zero group adds nothing."""
+    codes, scale, bias = random_weight(2 * block_gemv.rows_per_tile(), 128, 4, 32, seed=7)
+    weight = block_gemv.pack(codes, scale, bias, 4, 32)
+    x = torch.randn(3, 128)
+    x[1, 40], x[2, 70] = float("nan"), float("inf")
+    x[0, 32:64] = 0.0
+    out = block_gemv.block_gemv(x, weight, int16_inputs=True)
+    assert bool(out[1:].isnan().all())
+    assert rel_err(out[:1], x[:1].double() @ block_gemv.dequantize(weight).T) < 2e-4
+
+
+@int16_only
+def test_int16_inputs_threads_and_refusals():
+    rows = block_gemv.rows_per_tile()
+    codes, scale, bias = random_weight(24 * rows, 512, 8, 32, seed=11)
+    weight = block_gemv.pack(codes, scale, bias, 8, 32)
+    x = torch.randn(5, 512)
+    assert torch.equal(block_gemv.block_gemv(x, weight, num_threads=1, int16_inputs=True),
+                       block_gemv.block_gemv(x, weight, num_threads=2, int16_inputs=True))
+    codes, scale, bias = random_weight(rows, 512, 8, 512, seed=12)
+    too_long = block_gemv.pack(codes, scale, bias, 8, 512)   # 32-bit sums would overflow past 256 inputs
+    assert block_gemv.block_gemv(x, too_long).shape == (5, rows)
+    with pytest.raises(ValueError, match="refused"):
+        block_gemv.block_gemv(x, too_long, int16_inputs=True)

@@ -79,8 +79,9 @@ class Case:
                 flat[~owned] = float("nan")
         self.hidden = torch.randn(len(lens), s.hidden, generator=gen)
 
-    def stack(self) -> decode_stack.DecodeStack:
-        return decode_stack.DecodeStack(self.shape, self.layers, self.final_norm, self.cos, self.sin)
+    def stack(self, int16_inputs: bool = False) -> decode_stack.DecodeStack:
+        return decode_stack.DecodeStack(self.shape, self.layers, self.final_norm, self.cos, self.sin,
+                                        int16_inputs=int16_inputs)
 
     def reference(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """float64: the final norm's rows and every layer's K and V pages after the step."""
@@ -154,6 +155,28 @@ def test_matches_float64_reference(shape, lens, page_dtype):
     for layer, kc, vc in zip(case.layers, k_pages, v_pages, strict=True):   # nothing else in the pages moved
         assert torch.allclose(layer.k_cache.double(), kc, rtol=tol, atol=tol, equal_nan=True)
         assert torch.allclose(layer.v_cache.double(), vc, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.skipif(not decode_stack.int16_inputs_available(), reason="no AVX2 / F16C in this build")
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa2", "gqa3-partial-rotary", "mha"])
+def test_int16_inputs_follow_the_float64_reference(shape):
+    """The products' inputs rounded to 16 bits per group: the step's rows within that rounding of float64's,
+    and far enough from the float32 products' rows that this is the other path."""
+    lens = [15, 16, 17, 33, 100, 1, 47, 64]
+    exact = Case(shape, num_layers=3, lens=lens, seed=7 + shape.hidden)
+    rounded = Case(shape, num_layers=3, lens=lens, seed=7 + shape.hidden)
+    expected, k_pages, _ = exact.reference()
+    float32_err = rel_err(exact.stack().run(exact.hidden, exact.positions, exact.slots, exact.tables, exact.lens),
+                          expected)
+    out = rounded.stack(int16_inputs=True).run(rounded.hidden, rounded.positions, rounded.slots, rounded.tables,
+                                               rounded.lens)
+    err = rel_err(out, expected)
+    width = shape.num_kv_heads * shape.head_dim
+    page_err = max(rel_err(layer.k_cache.view(-1, width)[rounded.slots], ref.view(-1, width)[rounded.slots])
+                   for layer, ref in zip(rounded.layers, k_pages, strict=True))
+    print(f"{shape}: hidden rel. error {err:.1e} (float32 inputs {float32_err:.1e}), stored K {page_err:.1e}")
+    assert err < 2e-4 and page_err < 2e-4
+    assert err > 3 * float32_err and page_err > 1e-5   # float32 inputs store K within 1e-6 (the test above)
 
 
 def test_threads_give_the_same_rows():
