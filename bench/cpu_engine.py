@@ -150,13 +150,15 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="torch (and llama.cpp) CPU thread counts, one row set each")
     parser.add_argument("--no-transformers-long", action="store_true", help="skip transformers' long-prompt rows")
     parser.add_argument("--kv-cache-dtype", default="auto", help="[backend] kv_cache_dtype of our engine")
+    parser.add_argument("--product-inputs", default="auto", choices=["auto", "float32", "int16"],
+                        help="[backend] cpu_product_inputs of our engine")
     parser.add_argument("--repeat", type=int, default=3,
                         help="batch-1 chat runs of ours and llama.cpp (taking turns), and decode runs at each context: "
                              "medians")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(kv_cache_dtype=args.kv_cache_dtype, cpu_product_inputs=args.product_inputs)
     model_dir = llm.engine.model_dir
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf_tok = AutoTokenizer.from_pretrained(model_dir)
