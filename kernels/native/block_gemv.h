@@ -25,7 +25,9 @@
 
 namespace blocks {
 
-#if defined(__AVX512F__)
+#if defined(BLOCKS_W)   // a test build: another instruction set's tile width (16: AVX-512's) on this CPU
+constexpr int W = BLOCKS_W;
+#elif defined(__AVX512F__)
 constexpr int W = 16;
 #else
 constexpr int W = 8;
@@ -44,9 +46,9 @@ inline void store(float *p, vf v) { simd::store(p, v); }
 
 // W half-precision numbers (a scale or bias row of a tile) as floats.
 inline vf widen_half(const uint16_t *p) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(BLOCKS_W)
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__)
+#elif defined(__F16C__) && !defined(BLOCKS_W)
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
     vf v;

@@ -81,16 +81,21 @@ def unsupported(out_features: int, in_features: int, bits: int, group_size: int)
     return None
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, group_size: int) -> BlockWeight:
+def pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, group_size: int,
+         rows: int | None = None) -> BlockWeight:
     """codes [N, K] in [0, 2^bits), scale d and bias c [N, K / group_size] (rounded to float16 here) -> the
-    layout (W = d u + c)."""
+    layout (W = d u + c), in tiles of `rows` (default: this build's `rows_per_tile()`)."""
     n, k = codes.shape
     reason = unsupported(n, k, bits, group_size)
+    if rows is None:
+        rows = rows_per_tile()
+    elif n % rows:
+        reason = f"{n} output features (a multiple of {rows})"
     if reason is not None:
         raise ValueError(f"block gemv: {reason}")
     if bool((codes < 0).any()) or bool((codes >= 1 << bits).any()):
         raise ValueError(f"block gemv: {bits}-bit codes must lie in [0, {(1 << bits) - 1}]")
-    rows, per_word = rows_per_tile(), 32 // bits
+    per_word = 32 // bits
     fields = codes.to(torch.int32).reshape(n, k // per_word, per_word)
     words = fields[..., 0].clone()
     for i in range(1, per_word):   # the top field reaches bit 31: the int32 wraps, the bits are the word's

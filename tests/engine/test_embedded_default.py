@@ -24,6 +24,7 @@ SCORED_TOKENS = 256      # teacher-forced positions compared, after a 768-token 
 CONTEXT_TOKENS = 768
 MIN_AGREEMENT = 0.95
 MIN_FP8_KV_AGREEMENT = 0.90
+KV_BYTES = 512 * 1024**2   # each engine's KV budget (~11K float32 tokens): the module holds six engines at once
 
 PROMPTS = [
     "What is the capital of France?",
@@ -34,25 +35,25 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(cpu_weight_dtype="float32")
+    return LLM(cpu_weight_dtype="float32", cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
 def bf16_llm():
-    return LLM(cpu_weight_dtype="bfloat16")
+    return LLM(cpu_weight_dtype="bfloat16", cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
 def fp8_kv_llm():
     """float32 weights over an FP8 (e4m3) KV cache with the default scales."""
-    return LLM(cpu_weight_dtype="float32", kv_cache_dtype="fp8_e4m3")
+    return LLM(cpu_weight_dtype="float32", kv_cache_dtype="fp8_e4m3", cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
 def blocks_llm():
     """float32 with `cpu_weight_dtype = "auto"` (what it runs on a CPU without fast bf16): block decode weights,
     float32 inputs."""
-    return LLM(dtype="float32", cpu_weight_dtype="auto", cpu_product_inputs="float32")
+    return LLM(dtype="float32", cpu_weight_dtype="auto", cpu_product_inputs="float32", cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +63,13 @@ def int16_llm():
 
     if not block_gemv.int16_inputs_available():
         pytest.skip("this CPU build has no 16-bit input products (AVX2 and F16C)")
-    return LLM(dtype="float32", cpu_weight_dtype="auto", cpu_product_inputs="int16")
+    return LLM(dtype="float32", cpu_weight_dtype="auto", cpu_product_inputs="int16", cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
 def int4_llm():
     """`cpu_weight_dtype = "int4"`: every linear layer packed (the LM head stays dense)."""
-    return LLM(cpu_weight_dtype="int4")
+    return LLM(cpu_weight_dtype="int4", cpu_kv_cache_bytes=KV_BYTES)
 
 
 # The plain question's first token is a near-tie in float32 ("The" -1.88 against "L" -1.97 nats); bf16
@@ -119,7 +120,7 @@ def real_text_tokens(llm: LLM) -> list[int]:
 
 
 def test_auto_packs_the_q4_layers():
-    auto = LLM(cpu_weight_dtype="auto")
+    auto = LLM(cpu_weight_dtype="auto", cpu_kv_cache_bytes=KV_BYTES)
     if auto.engine.dtype != torch.bfloat16:
         pytest.skip("this CPU's bf16 matmuls are not fast: auto runs float32, dense")
     layers = [m for m in auto.engine.model.modules() if isinstance(m, HasWeight)]

@@ -167,3 +167,26 @@ def test_int16_inputs_threads_and_refusals():
     assert block_gemv.block_gemv(x, too_long).shape == (5, rows)
     with pytest.raises(ValueError, match="refused"):
         block_gemv.block_gemv(x, too_long, int16_inputs=True)
+
+
+def test_tiles_of_16_rows_as_avx512_builds_make_them():
+    """AVX-512 builds tile 16 output rows; the 16-bit input kernel reads them as two runs of 8. A build with that
+    tile width on this CPU (`-DBLOCKS_W=16`) checks both kernels over that layout."""
+    lib = block_gemv.library((*FLAGS, "-DBLOCKS_W=16"))
+    assert lib.block_gemv_rows() == 16
+    for bits in (4, 8):
+        codes, scale, bias = random_weight(3 * 16, 96, bits, 32, seed=20 + bits)
+        weight = block_gemv.pack(codes, scale, bias, bits, 32, rows=16)
+        assert weight.codes.shape[-1] == 16
+        dense = block_gemv.dequantize(weight)
+        bias_part = bias.half().double().repeat_interleave(32, dim=1)
+        x = torch.randn(5, 96)
+        entries = [(lib.block_gemv, x.double() @ dense.T, 1e-5)]
+        if lib.block_gemv_int16_inputs_available():
+            entries.append((lib.block_gemv_int16_inputs,
+                            int16_rounded(x, 32) @ (dense - bias_part).T + x.double() @ bias_part.T, 1e-6))
+        for entry, expected, tolerance in entries:
+            out = torch.empty(5, weight.out_features)
+            assert entry(x.data_ptr(), 96, 5, 96, bits, weight.codes.data_ptr(), weight.scale_bias.data_ptr(),
+                         weight.out_features, 32, out.data_ptr(), 2) == 0
+            assert rel_err(out, expected) < tolerance
