@@ -58,6 +58,7 @@ class DecodeConfig:
     min_chunk: int = 128       # fewest KV tokens a split is given (bounds partial traffic)
     max_splits: int = 128      # cap on splits per sequence (kernels.attention.decode_host.MAX_SPLITS at most)
     merge_warps: int = 4
+    tma: bool = False          # whole tiles as TMA bulk copies of a page's rows (compute 9.0+, tiles within pages)
     extra: dict[str, int] = field(default_factory=dict)   # vendor-only launch options
 
     def __post_init__(self) -> None:
@@ -98,9 +99,13 @@ class VendorConfigs:
     store_warps: int = 4
     prefill_by_head_dim: dict[int, PrefillConfig] = field(default_factory=dict)
     decode_fp8: DecodeConfig | None = None   # pages of 1-byte codes; None: `decode`
+    decode_fp8_tma: DecodeConfig | None = None   # the same where its tiles can be TMA copies; None: `decode_fp8`
 
-    def decode_for(self, kv_dtype: torch.dtype) -> DecodeConfig:
-        """The flash / standard decode launch shape for pages of `kv_dtype`."""
+    def decode_for(self, kv_dtype: torch.dtype, tma: bool = False) -> DecodeConfig:
+        """The flash / standard decode launch shape for pages of `kv_dtype`; `tma`: the GPU has TMA copies
+        (`tma_fits` says whether the pages hold the TMA shape's tiles)."""
+        if kv_dtype.itemsize == 1 and tma and self.decode_fp8_tma is not None:
+            return self.decode_fp8_tma
         if kv_dtype.itemsize == 1 and self.decode_fp8 is not None:
             return self.decode_fp8
         return self.decode
@@ -130,7 +135,10 @@ _CONFIGS = {
                                                  256: PrefillConfig(block_m=64, block_n=32, pack=4)},
                             # FP8 pages: a tile of 1-byte codes is half the bytes, so many one-warp programs keep
                             # enough loads in flight (the launch sweep of bench/kv_fp8.py, bench/RESULTS.md)
-                            decode_fp8=DecodeConfig(block_n=32, num_warps=1, ctas_per_sm=32)),
+                            decode_fp8=DecodeConfig(block_n=32, num_warps=1, ctas_per_sm=32),
+                            # ... and on Hopper, page-row tiles by TMA, six copies in flight, twice the splits
+                            decode_fp8_tma=DecodeConfig(block_n=16, num_warps=1, num_stages=6, ctas_per_sm=64,
+                                                        tma=True)),
     # CDNA: 64 KB LDS per CU, so one pipeline stage and narrower KV tiles; MFMA 16x16 instructions.
     "amd": VendorConfigs(
         "amd",

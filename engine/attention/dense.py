@@ -52,6 +52,7 @@ from engine.config import CpuAttention, FlashDecodingConfig, PrefillPrefix
 from kernels import DecodePlan, plan_decode, prefill_attention, run_decode, store_kv
 from kernels.attention import cpu, reference
 from kernels.attention.decode_host import check_shapes
+from kernels.attention.flash_decoding import decode_config
 from kernels.attention.kv_quant import is_fp8
 from kernels.attention.prefix import (
     PrefixPlan,
@@ -62,6 +63,7 @@ from kernels.attention.prefix import (
     prefix_spans,
     warm_up_cudnn,
 )
+from kernels.attention.tma import has_tma
 from kernels.native import rope_store as native_rope
 from kernels.native.build import NativeBuildError
 from kernels.native.paged_decode import NativeDecodePlan, isa, paged_decode_attention, plan_native_decode
@@ -207,7 +209,12 @@ class DenseBackend(AttentionBackend):
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
         fp8 = self.configs.decode_fp8
         if on_gpu and fp8 is not None and self.variant != "fdpp":
-            details.append(f"FP8 pages: block_n={fp8.block_n}, {fp8.num_warps} warp(s), {fp8.ctas_per_sm} CTAs/SM")
+            fp8_tma = self.configs.decode_fp8_tma
+            if fp8_tma is not None and has_tma(device):
+                fp8 = fp8_tma
+            copies = f", TMA copies of {fp8.num_stages} tiles in flight where pages hold whole tiles" if fp8.tma else ""
+            details.append(f"FP8 pages: block_n={fp8.block_n}, {fp8.num_warps} warp(s), {fp8.ctas_per_sm} CTAs/SM"
+                           f"{copies}")
         decode_text = f"{where}: {TITLES[self.variant]} ({', '.join(details)})"
         if self.cpu_fused_decode:
             decode_text = f"torch one exact pass (cpu), the softmax of {TITLES[self.variant]}"
@@ -279,12 +286,15 @@ class DenseBackend(AttentionBackend):
         return DensePlan(plan_decode(shape.num_seqs, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                      spec.block_size, shape.table_width, dtype=spec.dtype, device=self.device,
                                      variant=self.variant, kv_dtype=spec.kv_dtype, num_splits=self.num_splits or None,
-                                     config=self._decode_config(spec.kv_dtype), estimate_phi=self.estimate_phi,
+                                     config=self._decode_config(spec.kv_dtype, spec.block_size),
+                                     estimate_phi=self.estimate_phi,
                                      fallback=self.fallback))
 
-    def _decode_config(self, kv_dtype: torch.dtype) -> DecodeConfig:
+    def _decode_config(self, kv_dtype: torch.dtype, block_size: int) -> DecodeConfig:
         """FD++ keeps the shared launch shape; flash / standard take the one for the page format."""
-        return self.configs.decode if self.variant == "fdpp" else self.configs.decode_for(kv_dtype)
+        if self.variant == "fdpp":
+            return self.configs.decode
+        return decode_config(self.configs, self.device, kv_dtype, block_size)
 
     def _spec(self) -> KVCacheSpec:
         if self.spec is None:

@@ -26,18 +26,28 @@ from kernels.attention.decode_host import (
     rows_per_tile,
 )
 from kernels.attention.kv_quant import check_scales, is_fp8
-from kernels.attention.splitkv import LOG2E, attend, fp8_queries, head_scales, load_q_rows, split_plan, store_rows
-from kernels.vendor import DecodeConfig, check_launch_options, configs_for, interpreting
+from kernels.attention.splitkv import (
+    LOG2E,
+    attend,
+    attend_tma,
+    fp8_queries,
+    head_scales,
+    load_q_rows,
+    split_plan,
+    store_rows,
+)
+from kernels.attention.tma import has_tma, tma_descriptors
+from kernels.vendor import DecodeConfig, VendorConfigs, check_launch_options, configs_for, interpreting
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML, K_SCALE, V_SCALE,
+def _split_kernel(Q, K, V, K_DESC, V_DESC, BT, SEQ, OUT, P_ACC, P_ML, K_SCALE, V_SCALE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, scale_log2, max_splits, min_chunk,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-                  PAGE_WINDOW: tl.constexpr, HAS_SCALE: tl.constexpr):
+                  PAGE_WINDOW: tl.constexpr, HAS_SCALE: tl.constexpr, TMA: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,9 +63,13 @@ def _split_kernel(Q, K, V, BT, SEQ, OUT, P_ACC, P_ML, K_SCALE, V_SCALE,
         if HAS_SCALE:
             q = fp8_queries(q, score_scale, tl.float16, UPCAST)
             score_scale = 1.0
-        m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, score_scale,
-                           score_scale, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
-                           PAGE_WINDOW)
+        if TMA:
+            m, denom, acc = attend_tma(q, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh,
+                                       score_scale, score_scale, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, UPCAST)
+        else:
+            m, denom, acc = attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, score_scale,
+                                   score_scale, False, BLOCK_H, PAGE, BLOCK_N, D, NUM_STAGES, PREFETCH, UPCAST,
+                                   PAGE_WINDOW)
         acc = acc * v_scale
         if num_splits == 1:
             # One split (short sequence, large batch, or "standard"): normalise here, no merge.
@@ -118,6 +132,7 @@ class FlashDecodePlan:
     merge_options: dict[str, Any]     # the merge kernel's constexprs and launch options
     p_acc: torch.Tensor | None        # [B * Hq * max_splits * D] fp32 partial numerators (None: one split)
     p_ml: torch.Tensor | None         # [B * Hq * max_splits * 2] fp32 partial (max, sum)
+    tma: bool = False                 # whole tiles by TMA copies where the caches allow it
 
     @property
     def shapes(self) -> tuple[int, ...]:
@@ -133,21 +148,22 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     the standard single pass; None/0 the wave heuristic, which on a GPU reads the compiled kernel's
     occupancy (compiled here, once per specialisation)."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    cfg = config or configs_for(device).decode_for(kv_dtype)
+    cfg = config or decode_config(configs_for(device), device, kv_dtype, block_size)
     check_launch_options(cfg.extra, device)
     group = num_heads // num_kv_heads
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim,
                   PAGE=block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   PREFETCH=cfg.prefetch, UPCAST=interpreting(), PAGE_WINDOW=cfg.page_window,
-                  HAS_SCALE=is_fp8(kv_dtype))
+                  HAS_SCALE=is_fp8(kv_dtype), TMA=False)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def probe_args() -> tuple:
         q, kv, table, lens, partial = probe_tensors(device, dtype, kv_dtype, torch.int32, torch.int32, torch.float32)
         q_strides, kv_strides, bt_stride = contiguous_strides(batch, num_heads, num_kv_heads, head_dim, block_size,
                                                               max_blocks)
-        return (q, kv, kv, table, lens, q, partial, partial, partial, partial, *q_strides, *kv_strides, bt_stride,
+        return (q, kv, kv, kv, kv, table, lens, q, partial, partial, partial, partial, *q_strides, *kv_strides,
+                bt_stride,
                 *q_strides, LOG2E, 2, min_chunk)
 
     if batch == 0 or num_splits == 1:
@@ -163,7 +179,16 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     merge_options = dict(NUM_HEADS=num_heads, D=head_dim, BLOCK_N=cfg.block_n,
                          SPLITS_POW2=triton.next_power_of_2(max_splits), num_warps=cfg.merge_warps, **cfg.extra)
     return FlashDecodePlan(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, max_splits, min_chunk,
-                           consts, launch, merge_options, p_acc, p_ml)
+                           consts, launch, merge_options, p_acc, p_ml, cfg.tma)
+
+
+def decode_config(configs: VendorConfigs, device: torch.device, kv_dtype: torch.dtype, block_size: int
+                  ) -> DecodeConfig:
+    """`configs`' flash / standard launch shape for these pages: FP8 pages take the TMA shape where the GPU
+    has TMA copies and a page holds whole tiles of it."""
+    tma_shape = configs.decode_for(kv_dtype, tma=True)
+    fits = tma_shape.tma and block_size % tma_shape.block_n == 0 and has_tma(device)
+    return tma_shape if fits else configs.decode_for(kv_dtype)
 
 
 def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -181,12 +206,14 @@ def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tens
         return out
     # one split: the partials are never touched, any pointer will do
     p_acc, p_ml = (out, out) if plan.p_acc is None else (plan.p_acc, plan.p_ml)
+    descriptors = tma_descriptors(k_cache, v_cache, plan.consts["BLOCK_N"], plan.tma)
+    k_desc, v_desc = descriptors or (k_cache, v_cache)
     _split_kernel[(plan.batch, plan.num_kv_heads, plan.max_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, p_acc, p_ml,
+        q, k_cache, v_cache, k_desc, v_desc, block_tables, seq_lens, out, p_acc, p_ml,
         p_ml if k_scale is None else k_scale, p_ml if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, plan.max_splits, plan.min_chunk,
-        **plan.consts, **plan.launch)
+        **{**plan.consts, "TMA": descriptors is not None}, **plan.launch)
     if plan.max_splits > 1:
         _merge_kernel[(plan.batch, plan.num_heads)](
             seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1), plan.max_splits, plan.min_chunk,

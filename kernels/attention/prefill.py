@@ -12,16 +12,14 @@ with TMA bulk copies.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.attention.kv_quant import check_scales, is_fp8
 from kernels.attention.prefix import PrefixSeed
 from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile
+from kernels.attention.tma import tma_descriptors
 from kernels.vendor import (
     WIDE_MIN_WAVES,
     PrefillConfig,
@@ -157,28 +155,6 @@ def heads_per_tile(group: int, max_pack: int, block_m: int) -> int:
     while pack * 2 <= min(max_pack, block_m) and group % (pack * 2) == 0:
         pack *= 2
     return pack
-
-
-@functools.cache
-def _has_tma(device_index: int | None) -> bool:
-    """An NVIDIA GPU of compute capability 9.0+ (asked once per device, not per layer call)."""
-    return not torch.version.hip and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int,
-                    enabled: bool) -> tuple[TensorDescriptor, TensorDescriptor] | None:
-    """Tensor descriptors [blocks * PAGE, Hkv * D] of the caches when the config asks for TMA and
-    the layout allows it: KV tiles that never straddle a page, contiguous caches, and a GPU with
-    the copy engine (compute capability 9.0+) or the interpreter."""
-    page, num_kv_heads, head_dim = k_cache.shape[1:]
-    if not enabled or page % block_n or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None
-    if not interpreting() and not (k_cache.device.type == "cuda" and _has_tma(k_cache.device.index)):
-        return None
-    rows = k_cache.shape[0] * page
-    return tuple(TensorDescriptor(c.view(rows, num_kv_heads * head_dim), [rows, num_kv_heads * head_dim],
-                                  [num_kv_heads * head_dim, 1], [block_n, head_dim])
-                 for c in (k_cache, v_cache))  # type: ignore[return-value]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

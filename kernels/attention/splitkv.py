@@ -197,6 +197,34 @@ def attend(q, K, V, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_l
 
 
 @triton.jit
+def attend_tma(q, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, stride_kb, stride_kt, stride_kh, scale_log2, phi,
+               ASYNC: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
+    """`attend` with every whole tile one TMA bulk copy of a page's rows through the caches' descriptors
+    [blocks * PAGE, Hkv * D] (PAGE a multiple of BLOCK_N, `lo` on a tile): the copies go straight to shared
+    memory and NUM_STAGES of them are in flight. A last partial tile takes masked pointer loads, whose
+    tokens past `hi` read as 0 (unwritten slots may hold NaN)."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    whole = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    every = tl.full([BLOCK_N], 1, tl.int1)
+    for start in tl.range(lo, whole, BLOCK_N, num_stages=NUM_STAGES):
+        row = tl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+        k = K_DESC.load([row, hk * D])
+        v = V_DESC.load([row, hk * D])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m, denom, acc = softmax_step(q, k, v, every, m, denom, acc, phi, scale_log2, ASYNC)
+    if whole < hi:
+        k, v, valid = load_kv_tile(K, V, bt_row, whole, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, D,
+                                   UPCAST)
+        m, denom, acc = softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC)
+    return m, denom, acc
+
+
+@triton.jit
 def store_rows(OUT, out, b, hk, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                D: tl.constexpr):
     rows = tl.arange(0, BLOCK_H)

@@ -9,6 +9,7 @@ import torch
 from kernels import decode_attention, decode_reference, prefill_attention, prefill_attention_ref, store_kv, store_kv_ref
 from kernels.attention import cpu
 from kernels.attention.fdpp import new_stats
+from kernels.attention.flash_decoding import decode_config
 from kernels.attention.kv_quant import dequantize_kv, fp8_max, quantize_kv
 from kernels.attention.prefix import (
     plan_prefix,
@@ -17,6 +18,7 @@ from kernels.attention.prefix import (
     prefix_seed,
     prefix_spans,
 )
+from kernels.attention.tma import has_tma
 from kernels.vendor import DecodeConfig, PrefillConfig, vendor_configs
 from tests.support.paged_cache import shuffled_tables
 
@@ -130,6 +132,27 @@ def test_fp8_pages_take_their_launch_shape(vendor):
                            k_scale=k_scale, v_scale=v_scale)
     oracle = decode_reference(q.float(), exact_k, exact_v, tables, seq_lens, scale=0.125, variant="standard")
     assert rel_err(out, oracle) < TOL
+
+
+@pytest.mark.parametrize("page", [16, 32, 8])
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_fp8_pages_through_tma_copies(page, kv_dtype):
+    """NVIDIA's FP8 shape for GPUs with TMA copies: whole tiles by TMA, the last partial tile by masked loads
+    (lengths that end inside a tile, on a page boundary, inside the first tile); pages of 8 cannot hold its
+    16-token tiles, so `decode_config` falls back to the pointer-load shape."""
+    configs = vendor_configs("nvidia")
+    tma_shape = configs.decode_fp8_tma
+    assert tma_shape is not None and tma_shape.tma
+    chosen = decode_config(configs, torch.device(DEVICE), kv_dtype, page)
+    fits = page % tma_shape.block_n == 0 and has_tma(torch.device(DEVICE))
+    assert chosen is (tma_shape if fits else configs.decode_for(kv_dtype))
+    q, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch([301, 47, 32, 5], 8, 2, 64, page,
+                                                                              kv_dtype, seed=7)
+    oracle = decode_reference(q.float(), exact_k, exact_v, tables, seq_lens, scale=0.125, variant="standard")
+    for splits in (1, 3):
+        out = decode_attention(q, k, v, tables, seq_lens, scale=0.125, variant="flash", config=chosen,
+                               num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+        assert rel_err(out, oracle) < TOL
 
 
 # The vendor config over pages of 16, and TMA loads of 16-key tiles from pages of 32.

@@ -106,7 +106,7 @@ def test_every_packing_and_load_path_give_the_same_attention(pack, tma):
 
 
 def test_tma_needs_pages_that_hold_whole_tiles():
-    from kernels.attention.prefill import tma_descriptors
+    from kernels.attention.tma import tma_descriptors
 
     _, k, v, _, _, _ = paged_prefill_case([64], [64], 2, 2, 64, 16, torch.float32, seed=1)
     assert tma_descriptors(k, v, block_n=32, enabled=True) is None        # a tile would span two pages
