@@ -232,6 +232,12 @@ SWEEP: dict[str, dict[str, Any]] = {
     "n32_w2_ctas16": {"block_n": 32, "num_warps": 2, "ctas_per_sm": 16},
     "n128_w2_ctas8": {"num_warps": 2, "ctas_per_sm": 8},
     "n64_w4_ctas12": {"block_n": 64, "ctas_per_sm": 12},
+    # whole tiles by TMA copies (compute 9.0+; elsewhere the same shape through pointer loads)
+    "tma_n16_w1_s2_ctas32": {"block_n": 16, "num_warps": 1, "num_stages": 2, "ctas_per_sm": 32, "tma": True},
+    "tma_n16_w1_s2_ctas64": {"block_n": 16, "num_warps": 1, "num_stages": 2, "ctas_per_sm": 64, "tma": True},
+    "tma_n16_w1_s6_ctas32": {"block_n": 16, "num_warps": 1, "num_stages": 6, "ctas_per_sm": 32, "tma": True},
+    "tma_n16_w1_s6_ctas64": {"block_n": 16, "num_warps": 1, "num_stages": 6, "ctas_per_sm": 64, "tma": True},
+    "tma_n16_w2_s6_ctas64": {"block_n": 16, "num_warps": 2, "num_stages": 6, "ctas_per_sm": 64, "tma": True},
 }
 FDPP_SWEEP = ("default", "n64_w2_ctas12")   # also timed through the FD++ kernel
 
@@ -323,7 +329,8 @@ SPREAD = ((1, 102_400), (2, 51_200), (4, 25_600), (8, 12_800), (16, 6_400))   # 
 
 def spread() -> dict[str, Any]:
     configs = vendor_configs("nvidia")
-    shapes = {"shared": configs.decode, "fp8": configs.decode_for(torch.float8_e4m3fn)}
+    shapes = {"shared": configs.decode, "fp8": configs.decode_for(torch.float8_e4m3fn),
+              "fp8_tma": configs.decode_for(torch.float8_e4m3fn, tma=True)}
     rows: list[dict[str, Any]] = []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for batch, length in SPREAD:
