@@ -208,7 +208,7 @@ class DenseBackend(AttentionBackend):
         if self.variant == "fdpp":
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
         fp8 = self.configs.decode_fp8
-        if on_gpu and fp8 is not None and self.variant != "fdpp":
+        if on_gpu and fp8 is not None and self.variant == "flash":
             fp8_tma = self.configs.decode_fp8_tma
             if fp8_tma is not None and has_tma(device):
                 fp8 = fp8_tma
@@ -291,10 +291,10 @@ class DenseBackend(AttentionBackend):
                                      fallback=self.fallback))
 
     def _decode_config(self, kv_dtype: torch.dtype, block_size: int) -> DecodeConfig:
-        """FD++ keeps the shared launch shape; flash / standard take the one for the page format."""
+        """FD++ and standard keep the shared launch shape; flash takes the one for the page format."""
         if self.variant == "fdpp":
             return self.configs.decode
-        return decode_config(self.configs, self.device, kv_dtype, block_size)
+        return decode_config(self.configs, self.device, kv_dtype, block_size, one_split=self.variant == "standard")
 
     def _spec(self) -> KVCacheSpec:
         if self.spec is None:

@@ -148,7 +148,7 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     the standard single pass; None/0 the wave heuristic, which on a GPU reads the compiled kernel's
     occupancy (compiled here, once per specialisation)."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    cfg = config or decode_config(configs_for(device), device, kv_dtype, block_size)
+    cfg = config or decode_config(configs_for(device), device, kv_dtype, block_size, one_split=num_splits == 1)
     check_launch_options(cfg.extra, device)
     group = num_heads // num_kv_heads
     min_chunk = triton.cdiv(cfg.min_chunk, cfg.block_n) * cfg.block_n
@@ -182,10 +182,13 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
                            consts, launch, merge_options, p_acc, p_ml, cfg.tma)
 
 
-def decode_config(configs: VendorConfigs, device: torch.device, kv_dtype: torch.dtype, block_size: int
-                  ) -> DecodeConfig:
+def decode_config(configs: VendorConfigs, device: torch.device, kv_dtype: torch.dtype, block_size: int, *,
+                  one_split: bool = False) -> DecodeConfig:
     """`configs`' flash / standard launch shape for these pages: FP8 pages take the TMA shape where the GPU
-    has TMA copies and a page holds whole tiles of it."""
+    has TMA copies and a page holds whole tiles of it. `one_split` (standard: one program a sequence and KV
+    head) keeps the shared shape: the FP8 shapes are many one-warp programs, which needs the splits."""
+    if one_split:
+        return configs.decode
     tma_shape = configs.decode_for(kv_dtype, tma=True)
     fits = tma_shape.tma and block_size % tma_shape.block_n == 0 and has_tma(device)
     return tma_shape if fits else configs.decode_for(kv_dtype)

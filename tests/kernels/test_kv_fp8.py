@@ -146,6 +146,8 @@ def test_fp8_pages_through_tma_copies(page, kv_dtype):
     chosen = decode_config(configs, torch.device(DEVICE), kv_dtype, page)
     fits = page % tma_shape.block_n == 0 and has_tma(torch.device(DEVICE))
     assert chosen is (tma_shape if fits else configs.decode_for(kv_dtype))
+    # one split a sequence (standard) keeps the shared shape: one one-warp program per KV head would crawl
+    assert decode_config(configs, torch.device(DEVICE), kv_dtype, page, one_split=True) is configs.decode
     q, k, v, tables, seq_lens, k_scale, v_scale, exact_k, exact_v = fp8_batch([301, 47, 32, 5], 8, 2, 64, page,
                                                                               kv_dtype, seed=7)
     oracle = decode_reference(q.float(), exact_k, exact_v, tables, seq_lens, scale=0.125, variant="standard")
