@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from kernels.native.build import FLAGS, load
+from kernels.native.build import FLAGS, NativeBuildError, load
 
 MAX_ROWS = 8       # x rows a call
 BITS = (4, 8)
@@ -60,8 +60,11 @@ def isa() -> str:
 
 
 def int16_inputs_available() -> bool:
-    """Whether this build has the 16-bit input kernel (AVX2 with F16C)."""
-    return bool(library().block_gemv_int16_inputs_available())
+    """Whether the kernel builds here with its 16-bit input form (AVX2 with F16C)."""
+    try:
+        return bool(library().block_gemv_int16_inputs_available())
+    except NativeBuildError:   # no compiler, or the source did not build: nothing is available
+        return False
 
 
 # A group's 32-bit integer sums hold groups of up to this many inputs (8-bit codes times 16-bit inputs).

@@ -16,7 +16,7 @@ from functools import cache
 import torch
 
 from kernels.native.block_gemv import BlockWeight
-from kernels.native.build import FLAGS, load
+from kernels.native.build import FLAGS, NativeBuildError, load
 from kernels.native.pages import host_tables
 
 
@@ -59,7 +59,10 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
 
 def int16_inputs_available() -> bool:
     """Whether this build's products can round their inputs to 16 bits (`block_gemv_i16.h`: AVX2 with F16C)."""
-    return bool(library().decode_stack_int16_inputs_available())
+    try:
+        return bool(library().decode_stack_int16_inputs_available())
+    except NativeBuildError:   # no compiler, or the source did not build: nothing is available
+        return False
 
 
 def max_rows() -> int:
