@@ -207,11 +207,8 @@ class DenseBackend(AttentionBackend):
         details = [splits_text]
         if self.variant == "fdpp":
             details += [phi_text, f"fallback={'on' if self.fallback else 'off (counted only)'}"]
-        fp8 = self.configs.decode_fp8
-        if on_gpu and fp8 is not None and self.variant == "flash":
-            fp8_tma = self.configs.decode_fp8_tma
-            if fp8_tma is not None and has_tma(device):
-                fp8 = fp8_tma
+        if on_gpu and self.configs.decode_fp8 is not None and self.variant == "flash":
+            fp8 = self.configs.decode_for(torch.float8_e4m3fn, tma=has_tma(device))
             copies = f", TMA copies of {fp8.num_stages} tiles in flight where pages hold whole tiles" if fp8.tma else ""
             details.append(f"FP8 pages: block_n={fp8.block_n}, {fp8.num_warps} warp(s), {fp8.ctas_per_sm} CTAs/SM"
                            f"{copies}")

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.attention.kv_quant import check_scales, is_fp8
 from kernels.attention.prefix import PrefixSeed
-from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile
+from kernels.attention.splitkv import LOG2E, fp8_queries, head_scales, load_kv_tile, tma_tile
 from kernels.attention.tma import tma_descriptors
 from kernels.vendor import (
     WIDE_MIN_WAVES,
@@ -44,12 +44,7 @@ def _attend_keys(q, m, denom, acc, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, pos
     keep pointer loads, whose masked-off tokens read as 0 (unwritten slots may hold NaN)."""
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         if TMA and not CAUSAL_MASK:
-            row = tl.load(bt_row + start // PAGE) * PAGE + start % PAGE
-            k = K_DESC.load([row, hk * D])
-            v = V_DESC.load([row, hk * D])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = tma_tile(K_DESC, V_DESC, bt_row, start, hk, PAGE, D, UPCAST)
             valid = tl.full([BLOCK_N], 1, tl.int1)
         else:
             k, v, valid = load_kv_tile(K, V, bt_row, start, hi, hk, stride_kb, stride_kt, stride_kh,

@@ -125,6 +125,19 @@ def softmax_step(q, k, v, valid, m, denom, acc, phi, scale_log2, ASYNC: tl.const
 
 
 @triton.jit
+def tma_tile(K_DESC, V_DESC, bt_row, start, hk, PAGE: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [BLOCK_N, D] of the whole tile at `start` (within one page), one TMA copy each through the
+    caches' descriptors [blocks * PAGE, Hkv * D] (`kernels.attention.tma`)."""
+    row = tl.load(bt_row + start // PAGE) * PAGE + start % PAGE
+    k = K_DESC.load([row, hk * D])
+    v = V_DESC.load([row, hk * D])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def window_tokens(PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_WINDOW: tl.constexpr):
     """Tokens per page window: BLOCK_N-aligned windows touch at most PAGE_WINDOW pages."""
     if PAGE <= BLOCK_N:
@@ -210,12 +223,7 @@ def attend_tma(q, K, V, K_DESC, V_DESC, bt_row, lo, hi, hk, stride_kb, stride_kt
     whole = lo + (hi - lo) // BLOCK_N * BLOCK_N
     every = tl.full([BLOCK_N], 1, tl.int1)
     for start in tl.range(lo, whole, BLOCK_N, num_stages=NUM_STAGES):
-        row = tl.load(bt_row + start // PAGE) * PAGE + start % PAGE
-        k = K_DESC.load([row, hk * D])
-        v = V_DESC.load([row, hk * D])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = tma_tile(K_DESC, V_DESC, bt_row, start, hk, PAGE, D, UPCAST)
         m, denom, acc = softmax_step(q, k, v, every, m, denom, acc, phi, scale_log2, ASYNC)
     if whole < hi:
         k, v, valid = load_kv_tile(K, V, bt_row, whole, hi, hk, stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, D,
