@@ -3,7 +3,7 @@
 # under OUT (default bench/results/gpu_suite). Two parts of about 7 to 9 minutes each on an H200, so each
 # fits one 10-minute device session; correctness before speed, the end-to-end rows last; "floor" (about
 # 2 minutes) is bench/ffd_floor.py.
-#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e|prefill|tp]
+#   bash bench/gpu_suite.sh [OUT] [all|kernels|e2e|floor|fp8|moe|moe_e2e|prefill|ttft|tp]
 # "fp8" (about 9 minutes): FP8 KV pages, kernels against the float32 oracle and timed, then the
 # end-to-end rows over bf16 and FP8 pages side by side.
 # "moe" (about 9 minutes): the MoE GPU tests, then bench/moe.py tunes the fused-MoE configs at
@@ -13,7 +13,9 @@
 # the cuDNN prefix's GPU tests and the kernel's per-layer time against SDPA, then the time to first token from
 # 1K to 130K beside transformers, FFD's own prefill rule at 4K to 130K, pages of 16 and of 128, and where that
 # time goes at 1K, 32K and
-# 130K (bench/prefill_profile.py). "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
+# 130K (bench/prefill_profile.py). "ttft" (about 8 minutes, one device call; not part of "all", whose
+# "prefill" covers it): the prefill GPU tests, the time to the first token at 4K to 130K beside transformers
+# (median of 3), and decode latency at 1K, 16K and 100K. "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
 # synthetic Llama-3.1-8B at TP = 1 and TP = 2 (batch 1 at 1K, 32 x 16K) and synthetic Llama-3.1-70B at
 # TP = 2 (batch 1 at 1K, one 32K prompt), with NVLink multicast off.
 set -u
@@ -87,6 +89,16 @@ if [ "$PART" = prefill ] || [ "$PART" = all ]; then
     for N in 1024 32768 130000; do
         step 200 prefill_profile_$N python bench/prefill_profile.py --model synthetic:llama-3.1-8b \
             --context-len $N --transformers --out "$OUT"
+    done
+fi
+if [ "$PART" = ttft ]; then
+    step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
+    step 270 prefill_ttft python -m bench.e2e prefill --model synthetic:llama-3.1-8b --no-plot --variants flash \
+        --transformers --context-lens 4096,16384,32768,65536,130000 --max-tokens 8 --repeat 3 --out "$OUT/e2e_prefill.json"
+    for N in 1024 16384 100000; do
+        step 70 decode_latency_$N python -m bench.e2e latency --model synthetic:llama-3.1-8b --no-plot \
+            --set backend.max_num_seqs=4 --context-len $N --max-tokens 96 --repeat 2 --variants flash \
+            --out "$OUT/decode_latency_$N.json"
     done
 fi
 if [ "$PART" = tp ]; then
