@@ -103,7 +103,7 @@ class VendorConfigs:
 
     def decode_for(self, kv_dtype: torch.dtype, tma: bool = False) -> DecodeConfig:
         """The flash / standard decode launch shape for pages of `kv_dtype`; `tma`: the GPU has TMA copies
-        (`tma_fits` says whether the pages hold the TMA shape's tiles)."""
+        (`kernels.attention.flash_decoding.decode_config` also asks whether the pages hold its tiles)."""
         if kv_dtype.itemsize == 1 and tma and self.decode_fp8_tma is not None:
             return self.decode_fp8_tma
         if kv_dtype.itemsize == 1 and self.decode_fp8 is not None:

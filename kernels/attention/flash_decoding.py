@@ -155,7 +155,7 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     consts = dict(NUM_HEADS=num_heads, GROUP=group, BLOCK_H=rows_per_tile(group), D=head_dim,
                   PAGE=block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                   PREFETCH=cfg.prefetch, UPCAST=interpreting(), PAGE_WINDOW=cfg.page_window,
-                  HAS_SCALE=is_fp8(kv_dtype), TMA=False)
+                  HAS_SCALE=is_fp8(kv_dtype))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.extra)
 
     def probe_args() -> tuple:
@@ -171,7 +171,7 @@ def plan_flash_decode(batch: int, num_heads: int, num_kv_heads: int, head_dim: i
     else:
         max_splits = resolve_splits(num_splits, batch, num_kv_heads, device, cfg, _split_kernel,
                                     (dtype, kv_dtype, tuple(consts.items()), tuple(launch.items())),
-                                    probe_args, {**consts, **launch})
+                                    probe_args, {**consts, "TMA": False, **launch})
     p_acc = p_ml = None
     if max_splits > 1:
         p_acc = torch.empty(batch * num_heads * max_splits * head_dim, dtype=torch.float32, device=device)
@@ -216,7 +216,7 @@ def run_flash_decode(plan: FlashDecodePlan, q: torch.Tensor, k_cache: torch.Tens
         p_ml if k_scale is None else k_scale, p_ml if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, plan.max_splits, plan.min_chunk,
-        **{**plan.consts, "TMA": descriptors is not None}, **plan.launch)
+        **plan.consts, TMA=descriptors is not None, **plan.launch)
     if plan.max_splits > 1:
         _merge_kernel[(plan.batch, plan.num_heads)](
             seq_lens, out, p_acc, p_ml, out.stride(0), out.stride(1), plan.max_splits, plan.min_chunk,
