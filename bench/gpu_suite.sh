@@ -15,7 +15,8 @@
 # time goes at 1K, 32K and
 # 130K (bench/prefill_profile.py). "ttft" (about 8 minutes, one device call; not part of "all", whose
 # "prefill" covers it): the prefill GPU tests, the time to the first token at 4K to 130K beside transformers
-# (median of 3), and decode latency at 1K, 16K and 100K. "tp" (two GPUs, not part of "all"): the tensor-parallel GPU tests, then
+# (median of 3), and decode latency at 1K, 16K and 100K. "tp" (two GPUs, not part of "all"): the
+# tensor-parallel GPU tests, then
 # synthetic Llama-3.1-8B at TP = 1 and TP = 2 (batch 1 at 1K, 32 x 16K) and synthetic Llama-3.1-70B at
 # TP = 2 (batch 1 at 1K, one 32K prompt), with NVLink multicast off.
 set -u
@@ -27,6 +28,9 @@ step() {  # step SECONDS NAME COMMAND...: run, log to OUT/NAME.log, say how it e
     local limit=$1 name=$2; shift 2
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? ($(tail -n 1 "$OUT/$name.log"))"
+}
+prefill_tests() {  # the prefill kernel's GPU tests: first in "prefill" and in "ttft"
+    step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
 }
 if [ "$PART" = kernels ] || [ "$PART" = all ]; then
     step 240 gpu_tests python -m pytest -q tests/engine/test_engine_gpu.py tests/kernels/test_fused_ops.py tests/kernels/test_matmul.py \
@@ -75,7 +79,7 @@ if [ "$PART" = moe_e2e ] || [ "$PART" = all ]; then
         --warmup 0 --num-requests 32 --variants flash --out "$OUT/moe_concurrency_32x4k.json"
 fi
 if [ "$PART" = prefill ] || [ "$PART" = all ]; then
-    step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
+    prefill_tests
     step 150 prefix_tests python -m pytest -q tests/kernels/test_prefill_prefix.py tests/engine/test_engine_gpu.py
     step 110 prefill_kernels python bench/prefill_kernels.py --check --prompt --prompt-pages 16,128 --chunks 2048 \
         --lengths 16384,131072 --out "$OUT"
@@ -92,7 +96,7 @@ if [ "$PART" = prefill ] || [ "$PART" = all ]; then
     done
 fi
 if [ "$PART" = ttft ]; then
-    step 120 prefill_tests python -m pytest -q tests/kernels/test_prefill.py tests/kernels/test_kernels.py -k prefill
+    prefill_tests
     step 270 prefill_ttft python -m bench.e2e prefill --model synthetic:llama-3.1-8b --no-plot --variants flash \
         --transformers --context-lens 4096,16384,32768,65536,130000 --max-tokens 8 --repeat 3 --out "$OUT/e2e_prefill.json"
     for N in 1024 16384 100000; do
